@@ -1,0 +1,65 @@
+"""gangrun: run a training function on every GPU of a node, straight from a notebook.
+
+>>> from gangrun import distributed
+>>> @distributed(processes=2)
+... def train(epochs: int) -> float: ...
+>>> losses = train.distributed(epochs=3)  # one entry per rank, rank order
+
+Importing gangrun is cheap: torch, mlflow and ray are imported only where used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    DistributedCancelledError,
+    DistributedError,
+    DistributedTimeoutError,
+    LaunchError,
+)
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .accelerators import backend, device
+    from .api import DistributedFunction, Options, RunHandle, distributed
+
+_LAZY = {
+    "distributed": "api",
+    "DistributedFunction": "api",
+    "RunHandle": "api",
+    "Options": "api",
+    "device": "accelerators",
+    "backend": "accelerators",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'gangrun' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "distributed",
+    "DistributedFunction",
+    "RunHandle",
+    "Options",
+    "device",
+    "backend",
+    "DistributedError",
+    "LaunchError",
+    "DistributedTimeoutError",
+    "DistributedCancelledError",
+    "__version__",
+]

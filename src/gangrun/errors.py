@@ -1,0 +1,101 @@
+"""The one error module: every exception gangrun raises to its callers."""
+
+from __future__ import annotations
+
+import signal as _signal
+
+
+class DistributedError(RuntimeError):
+    """A distributed call failed.
+
+    ``rank`` is the root-cause rank (``None`` when no rank is to blame, e.g. a cancel),
+    ``exitcode`` its exit status (negative: killed by signal ``-exitcode``),
+    ``signal`` the signal name (``"SIGKILL"``, ``"SIGSEGV"``...) when it died by one,
+    ``traceback`` the rank's formatted Python traceback when it raised, and
+    ``exc_type`` the qualified name of the exception it raised.
+    When the rank's exception could be rebuilt in the caller it is ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        exitcode: int | None = None,
+        traceback: str | None = None,
+        exc_type: str | None = None,
+        log_tail: str | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = traceback
+        self.exc_type = exc_type
+        self.log_tail = log_tail
+        self.run_id = run_id
+
+    handle: object | None = None  # the RunHandle, kept alive so its logs stay readable
+
+    def logs(self, rank: int | None = None) -> str:
+        """The full log of ``rank`` (default: the root-cause rank) of the failed call."""
+        if self.handle is None:
+            return self.log_tail or ""
+        r = self.rank if rank is None else rank
+        return self.handle.logs(0 if r is None else r)  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def signal(self) -> str | None:
+        return signal_name(self.exitcode)
+
+    def __reduce__(self):  # keep attributes across pickling
+        return (
+            _rebuild,
+            (
+                type(self),
+                str(self),
+                {
+                    "rank": self.rank,
+                    "exitcode": self.exitcode,
+                    "traceback": self.traceback,
+                    "exc_type": self.exc_type,
+                    "log_tail": self.log_tail,
+                    "run_id": self.run_id,
+                },
+            ),
+        )
+
+
+def _rebuild(cls, message, kwargs):
+    return cls(message, **kwargs)
+
+
+class LaunchError(DistributedError):
+    """Nothing was started: bad arguments, serialization, size, accelerator count or type."""
+
+
+class DistributedTimeoutError(DistributedError, TimeoutError):
+    """The call ran past its ``timeout``; every rank was stopped."""
+
+
+class DistributedCancelledError(DistributedError):
+    """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was stopped."""
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """``-9`` -> ``"SIGKILL"``; ``None`` for normal exit codes."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return _signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+__all__ = [
+    "DistributedError",
+    "LaunchError",
+    "DistributedTimeoutError",
+    "DistributedCancelledError",
+    "signal_name",
+]

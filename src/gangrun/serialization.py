@@ -1,0 +1,197 @@
+"""The serialization boundary between the caller and the ranks.
+
+The payload (function, args, kwargs) is pickled once with cloudpickle straight into the run
+directory; code defined in ``__main__`` (a notebook or a script) travels by value. Before
+launch we check that it serializes at all and that it is under the size limit, and when it is
+not, we name the offending or the largest captured objects.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
+
+from .errors import LaunchError
+
+PROTOCOL = 5
+DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _CountingWriter(io.RawIOBase):
+    """A file-like sink that counts bytes, forwards them, and stops past ``limit``."""
+
+    def __init__(self, inner: BinaryIO | None, limit: int | None) -> None:
+        self.inner = inner
+        self.limit = limit
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = len(memoryview(b).cast("B"))
+        self.count += n
+        if self.limit is not None and self.count > self.limit:
+            raise _TooLarge
+        if self.inner is not None:
+            self.inner.write(b)
+        return n
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _cloudpickle() -> Any:
+    import cloudpickle
+
+    return cloudpickle
+
+
+def dump(obj: Any, f: BinaryIO) -> None:
+    _cloudpickle().dump(obj, f, protocol=PROTOCOL)
+
+
+def dumps(obj: Any) -> bytes:
+    return _cloudpickle().dumps(obj, protocol=PROTOCOL)
+
+
+def load(f: BinaryIO) -> Any:
+    return pickle.load(f)
+
+
+def _size(obj: Any, limit: int | None) -> int | None:
+    """Serialized size of ``obj``; ``None`` if it cannot be serialized."""
+    w = _CountingWriter(None, limit)
+    try:
+        _cloudpickle().dump(obj, w, protocol=PROTOCOL)
+    except _TooLarge:
+        return w.count
+    except Exception:
+        return None
+    return w.count
+
+
+def _describe(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
+
+
+def _captured(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """Everything the payload carries, named for error messages."""
+    for i, a in enumerate(args):
+        yield f"positional argument {i}", a
+    for k, v in kwargs.items():
+        yield f"argument {k!r}", v
+    target = inspect.unwrap(fn)
+    try:
+        cv = inspect.getclosurevars(target)
+    except Exception:
+        return
+    for k, v in cv.nonlocals.items():
+        yield f"closure variable {k!r} of {getattr(target, '__qualname__', target)!r}", v
+    for k, v in cv.globals.items():
+        if inspect.ismodule(v):
+            continue
+        yield f"global {k!r} used by {getattr(target, '__qualname__', target)!r}", v
+
+
+def write_payload(
+    path: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    max_bytes: int | None = DEFAULT_MAX_CAPTURE_BYTES,
+) -> int:
+    """Pickle ``(fn, args, kwargs)`` to ``path`` (mode 0600). Returns its size.
+
+    Raises :class:`LaunchError` naming the object that cannot be serialized, or the largest
+    captured objects when the payload is over ``max_bytes``.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as raw:
+        sink = _CountingWriter(raw, max_bytes)  # type: ignore[arg-type]
+        buffered = io.BufferedWriter(sink, buffer_size=1 << 20)
+        try:
+            _cloudpickle().dump((fn, args, kwargs), buffered, protocol=PROTOCOL)
+            buffered.flush()
+        except _TooLarge:
+            raise _too_large(fn, args, kwargs, max_bytes or 0) from None
+        except LaunchError:
+            raise
+        except Exception as exc:
+            raise _unpicklable(fn, args, kwargs, exc) from exc
+        finally:
+            try:
+                buffered.detach()
+            except Exception:
+                pass
+    return sink.count
+
+
+def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> LaunchError:
+    culprit = None
+    for name, obj in _captured(fn, args, kwargs):
+        if _size(obj, 1 << 16) is None:
+            culprit = (name, obj)
+            break
+    if culprit is None and _size(fn, 1 << 16) is None:
+        culprit = (f"function {getattr(fn, '__qualname__', fn)!r}", fn)
+    what = (
+        f"{culprit[0]} (a {_describe(culprit[1])})" if culprit else "the function or its arguments"
+    )
+    return LaunchError(
+        f"Cannot send {what} to the ranks: {type(exc).__name__}: {exc}. "
+        "Every rank runs in its own process, so the function, its arguments and the globals it "
+        "uses must be picklable (cloudpickle). Create such objects (locks, open files, "
+        "connections, CUDA tensors from another process...) inside the function instead."
+    )
+
+
+def _too_large(fn: Callable[..., Any], args: tuple, kwargs: dict, limit: int) -> LaunchError:
+    sizes = []
+    for name, obj in _captured(fn, args, kwargs):
+        n = _size(obj, limit * 2)
+        if n is not None:
+            sizes.append((n, name, _describe(obj)))
+    sizes.sort(reverse=True)
+    top = ", ".join(f"{name} ({desc}, {human_bytes(n)})" for n, name, desc in sizes[:3])
+    return LaunchError(
+        f"The function and its arguments serialize to more than {human_bytes(limit)} "
+        f"(max_capture_bytes). Largest captured objects: {top or 'unknown'}. "
+        "Load data inside the function (pass a path or URL as the argument, e.g. with "
+        "gangrun.data.VolumeDataset) instead of capturing it, or raise max_capture_bytes."
+    )
+
+
+def atomic_dump(obj: Any, path: str) -> None:
+    """Write ``obj`` to ``path`` atomically: temp name in the same directory, then rename."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _cloudpickle().dump(obj, f, protocol=PROTOCOL)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_path(path: str) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)

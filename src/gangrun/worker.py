@@ -1,0 +1,212 @@
+"""The rank entry point.
+
+A rank process (fresh interpreter or forked from the warm fork server) runs :func:`main`:
+watch the caller's liveness pipe, adopt the caller's ``sys.path`` and working directory, load
+the payload, call the function, hand the result (or the error) back through an atomically
+renamed file in the private run directory, flush stdio and leave with ``os._exit``.
+
+Why ``os._exit``: interpreter finalisation is where gloo's runloop thread sometimes aborts the
+process (``terminate called without an active exception``) and where MLflow's atexit hook
+would end the caller's run. Once the result is safely on disk nothing in finalisation is
+worth running.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
+before_exit: list[Callable[[], None]] = []
+
+
+def result_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"result.{rank}.pkl")
+
+
+def error_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"error.{rank}.pkl")
+
+
+def _kill_own_tree() -> None:
+    """Caller is gone: kill every descendant and this rank's process group, then exit."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except Exception:
+                pass
+    except Exception:
+        pass
+    try:
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+    finally:
+        os._exit(128 + signal.SIGKILL)
+
+
+def _watch_liveness(fd: int) -> None:
+    try:
+        while True:
+            data = os.read(fd, 64)
+            if not data:
+                break
+    except OSError:
+        pass
+    _kill_own_tree()
+
+
+def start_liveness_watchdog() -> None:
+    fd_s = os.environ.get("GANGRUN_LIVENESS_FD")
+    if not fd_s:
+        return
+    fd = int(fd_s)
+    try:
+        os.set_inheritable(fd, False)
+    except OSError:
+        return
+    t = threading.Thread(target=_watch_liveness, args=(fd,), name="gangrun-liveness", daemon=True)
+    t.start()
+
+
+def _format_tb(exc: BaseException) -> str:
+    """The traceback without gangrun's own frames on top (the user's code first)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_next is not None:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _error_record(rank: int, exc: BaseException, tb_text: str) -> dict[str, Any]:
+    from . import serialization
+
+    exc_bytes: bytes | None
+    try:
+        exc_bytes = serialization.dumps(exc)
+        import pickle
+
+        pickle.loads(exc_bytes)  # an exception whose __init__ needs other args can't come back
+    except Exception:
+        exc_bytes = None
+    return {
+        "rank": rank,
+        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": tb_text,
+        "exc": exc_bytes,
+        "time": time.time(),
+        "pid": os.getpid(),
+    }
+
+
+def _write_error(run_dir: str, rank: int, record: dict[str, Any]) -> None:
+    from . import serialization
+
+    try:
+        serialization.atomic_dump(record, error_path(run_dir, rank))
+    except Exception:
+        record = dict(record, exc=None)
+        serialization.atomic_dump(record, error_path(run_dir, rank))
+
+
+def _flush_and_exit(code: int) -> None:
+    for hook in before_exit:
+        try:
+            hook()
+        except Exception:
+            traceback.print_exc()
+    try:
+        logging.shutdown()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def setup_context(run_dir: str) -> None:
+    with open(os.path.join(run_dir, "context.json")) as f:
+        ctx = json.load(f)
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = list(ctx["sys_path"])
+    if own not in paths:
+        paths.append(own)
+    sys.path[:] = paths
+    try:
+        os.chdir(ctx["cwd"])
+    except OSError as exc:
+        print(
+            f"gangrun: cannot enter the caller's directory {ctx['cwd']!r}: {exc}", file=sys.stderr
+        )
+    sys.argv = list(ctx.get("argv") or [""])
+
+
+def run_rank(run_dir: str, rank: int) -> int:
+    """Load the payload, run it, hand the outcome back. Returns the exit code."""
+    from . import serialization
+
+    try:
+        setup_context(run_dir)
+        fn, args, kwargs = serialization.load_path(os.path.join(run_dir, "payload.pkl"))
+        result = fn(*args, **kwargs)
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            result = None
+        else:
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+            tb = _format_tb(exc)
+            _write_error(run_dir, rank, _error_record(rank, exc, tb) | {"exitcode": code})
+            return int(code) & 0xFF or 1
+    except BaseException as exc:
+        tb = _format_tb(exc)
+        try:
+            sys.stderr.write(tb)
+        except Exception:
+            pass
+        _write_error(run_dir, rank, _error_record(rank, exc, tb))
+        return 1
+    try:
+        serialization.atomic_dump(result, result_path(run_dir, rank))
+    except BaseException as exc:
+        msg = (
+            f"rank {rank} returned a value that cannot be serialized "
+            f"({type(result).__module__}.{type(result).__qualname__}): "
+            f"{type(exc).__name__}: {exc}. Return plain data (numbers, lists, dicts, CPU "
+            "tensors, a state_dict) or save large objects to a file and return its path."
+        )
+        tb = traceback.format_exc()
+        print(msg, file=sys.stderr)
+        rec = _error_record(rank, TypeError(msg), tb)
+        _write_error(run_dir, rank, rec | {"message": msg, "exc_type": "ResultSerializationError"})
+        return 1
+    return 0
+
+
+def main() -> None:
+    faulthandler.enable(all_threads=True)
+    start_liveness_watchdog()
+    run_dir = os.environ["GANGRUN_RUN_DIR"]
+    rank = int(os.environ["RANK"])
+    code = run_rank(run_dir, rank)
+    _flush_and_exit(code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
