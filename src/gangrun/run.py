@@ -498,7 +498,16 @@ class Run:
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+        # Wait in slices so the main thread stays responsive to KeyboardInterrupt even when it
+        # is raised by _thread.interrupt_main() rather than a real SIGINT (which interrupts a
+        # blocking wait anyway). The event still wakes the waiter at once when the run ends.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+            if self._done.wait(max(0.0, left)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def done(self) -> bool:
         return self._done.is_set()
