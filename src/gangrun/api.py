@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
-
 from .errors import DistributedError, LaunchError
 from .serialization import DEFAULT_MAX_CAPTURE_BYTES
 

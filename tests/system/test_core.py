@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import rankfns
-from conftest import SRC, assert_no_survivors, pids_alive
 
 import gangrun
+from conftest import SRC, assert_no_survivors, pids_alive
 from gangrun import (
     DistributedCancelledError,
     DistributedError,
