@@ -92,7 +92,7 @@ class Run:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._started = 0.0
-        self._cleanup_dir = True
+        self._released = False
 
     # ------------------------------------------------------------------ launch
     def _resolve_world(self) -> None:
@@ -479,7 +479,9 @@ class Run:
             self._clear_attempt_files()
             with _active_lock:
                 _active.discard(self)
-            self._done.set()
+                self._done.set()
+                if self._released:
+                    self._remove_dir()
 
     # ------------------------------------------------------------------ public-ish
     def log_files(self) -> dict[int, str]:
@@ -517,6 +519,14 @@ class Run:
             raise self._error
         assert self._results is not None
         return self._results
+
+    def release(self) -> None:
+        """The handle is gone: remove the run directory now, or when the call ends."""
+        with _active_lock:
+            self._released = True
+            done = self._done.is_set()
+        if done:
+            self._remove_dir()
 
     def _remove_dir(self) -> None:
         if self.run_dir:

@@ -270,3 +270,15 @@ def test_import_is_lazy(script):
 
 def test_src_on_path():
     assert str(SRC) in os.environ["PYTHONPATH"]
+
+
+def test_dropped_handle_keeps_files_until_the_call_ends():
+    import gc
+
+    h = run2(rankfns.big_return).submit(1)
+    run = h._run
+    del h
+    gc.collect()
+    assert run.wait(60)
+    assert [len(r) for r in run.outcome()] == [1 << 20, 1 << 20]
+    assert not os.path.exists(run.run_dir)
