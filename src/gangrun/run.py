@@ -479,9 +479,9 @@ class Run:
             self._clear_attempt_files()
             with _active_lock:
                 _active.discard(self)
-                self._done.set()
                 if self._released:
                     self._remove_dir()
+                self._done.set()
 
     # ------------------------------------------------------------------ public-ish
     def log_files(self) -> dict[int, str]:
