@@ -149,7 +149,7 @@ def _main() -> None:
     if ckpt:
         again = fn.distributed(steps=a.steps - half, ckpt_dir=ckpt, resume=True)
         for k, v in again[0]["params"].items():
-            torch.testing.assert_close(v, out[0]["params"][k])
+            torch.testing.assert_close(v, out[0]["params"][k], rtol=1e-4, atol=1e-5)
         print(f"resumed from {ckpt} at step {half}: same final parameters")
     print("OK")
 

@@ -75,7 +75,7 @@ def deepspeed_setup(*, shm_comm: bool = False) -> str:
         os.environ["DS_ACCELERATOR"] = accel
     if accel == "cpu" and not shm_comm:
         ds_torch = importlib.import_module("deepspeed.comm.torch")
-        ds_torch.build_shm_op = _no_shm_op
+        ds_torch.build_shm_op = _no_shm_op  # type: ignore[attr-defined]
     return accel
 
 
