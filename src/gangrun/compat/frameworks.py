@@ -62,9 +62,10 @@ def deepspeed_setup(*, shm_comm: bool = False) -> str:
       ``TORCH_EXTENSIONS_DIR``); collectives then go through gloo, which is what you want
       for CPU development and CI.
 
-    Must run before ``deepspeed.initialize`` (or ``deepspeed.init_distributed``) in the rank,
-    and before anything imports ``deepspeed.accelerator`` if ``DS_ACCELERATOR`` matters.
-    Idempotent. Other JIT ops are chosen by the config, not here: on CPU use a torch
+    Must run before ``deepspeed.initialize`` (or ``deepspeed.init_distributed``) in the rank.
+    ``DS_ACCELERATOR`` only counts if it runs before ``import deepspeed`` (which picks the
+    accelerator); when deepspeed was imported first, DeepSpeed's own detection gives the same
+    answer on CPU and CUDA nodes, and the rest still applies. Idempotent. Other JIT ops are chosen by the config, not here: on CPU use a torch
     optimizer (``{"type": "Adam", "params": {"torch_adam": true}}`` or pass one to
     ``deepspeed.initialize``) instead of FusedAdam / DeepSpeedCPUAdam (optimizer offload).
     """
