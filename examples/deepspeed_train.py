@@ -76,11 +76,12 @@ def train(
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     torch.manual_seed(seed)
     x, y = (t.to(device) for t in make_data(rank, world))
+    model = make_model()  # on CPU; deepspeed.initialize moves it to this rank's device
     engine, _, _, _ = deepspeed.initialize(
-        model=make_model(),
-        model_parameters=None,  # filled in from the model; ZeRO-3 partitions them here
+        model=model,
+        model_parameters=model.parameters(),
         config=ds_config(stage, lr, micro_batch=len(x)),
-    )
+    )  # ZeRO-3 partitions the parameters across the ranks here
     if resume:
         assert ckpt_dir, "resume needs ckpt_dir"
         path, _ = engine.load_checkpoint(ckpt_dir)  # the tag named in ckpt_dir/latest
