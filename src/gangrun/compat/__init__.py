@@ -1,0 +1,1 @@
+"""Compatibility helpers for code written for other launchers and frameworks."""
