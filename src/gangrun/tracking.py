@@ -210,9 +210,9 @@ class Tracker:
             text = str(error) or type(error).__name__
             tags[TAG_ERROR] = text if len(text) <= _MAX_TAG else text[: _MAX_TAG - 3] + "..."
             tags[TAG_ERROR_TYPE] = type(error).__name__
-            rank = getattr(error, "rank", None)
-            if rank is not None:
-                tags[TAG_ERROR_RANK] = str(rank)
+            err_rank = getattr(error, "rank", None)
+            if err_rank is not None:
+                tags[TAG_ERROR_RANK] = str(err_rank)
             if status == "KILLED":
                 tags[TAG_STATUS_REASON] = text.splitlines()[0][:_MAX_TAG]
             try:

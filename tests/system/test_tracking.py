@@ -7,9 +7,9 @@ import time
 
 import psutil
 import pytest
-from conftest import assert_no_survivors
 
 import gangrun
+from conftest import assert_no_survivors
 from gangrun import DistributedError, DistributedTimeoutError, distributed
 from gangrun.tracking import resolve_tracking_uri
 
