@@ -17,6 +17,7 @@ import os
 import shlex
 import sys
 import time
+import warnings
 from typing import Any
 from urllib.parse import urlparse
 
@@ -98,8 +99,11 @@ class Tracker:
         cannot be reached: tracking must never stop the training itself.
         """
         try:
-            import mlflow
-            from mlflow.tracking import MlflowClient
+            with warnings.catch_warnings():
+                # `import mlflow` imports tqdm.auto, which warns in a kernel without ipywidgets
+                warnings.filterwarnings("ignore", message="IProgress not found")
+                import mlflow
+                from mlflow.tracking import MlflowClient
         except ImportError:
             _note(
                 stdout,
