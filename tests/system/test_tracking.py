@@ -11,7 +11,7 @@ import pytest
 import gangrun
 from conftest import assert_no_survivors
 from gangrun import DistributedError, DistributedTimeoutError, distributed
-from gangrun.tracking import resolve_tracking_uri
+from gangrun.tracking import resolve_tracking_uri, run_link
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -280,3 +280,28 @@ def test_system_metrics_logged_by_the_caller(store, monkeypatch):
     handle.result(timeout=60)
     metrics = store.get_run(handle.mlflow_run_id).data.metrics
     assert any(k.startswith("system/cpu") for k in metrics), sorted(metrics)
+
+
+def test_run_link_forms():
+    url = run_link("https://mlflow.example.com/", "7", "abc")
+    assert url.endswith("https://mlflow.example.com/#/experiments/7/runs/abc")
+    local = run_link("sqlite:////tmp/my store/mlflow.db", "0", "abc")
+    assert "run abc" in local
+    assert "mlflow ui --backend-store-uri 'sqlite:////tmp/my store/mlflow.db'" in local
+
+
+def test_unusable_store_warns_and_the_call_still_runs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/not-a-dir/mlflow.db")
+    monkeypatch.chdir(tmp_path)
+
+    @distributed(processes=2, timeout=60)
+    def rank_of() -> int:
+        import os
+
+        return int(os.environ["RANK"])
+
+    handle = rank_of.submit()
+    assert handle.result(timeout=60) == [0, 1]
+    assert handle.mlflow_run_id is None
+    assert "MLflow tracking is off for this call" in capsys.readouterr().out
