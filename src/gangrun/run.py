@@ -225,7 +225,13 @@ class Run:
 
                 self.tracker = Tracker.start(self.tracking_info(), self.stdout)
             self._launch_attempt()
-        except BaseException:
+        except BaseException as exc:
+            if self.tracker is not None:  # the run was created: never leave it RUNNING
+                try:
+                    status = "FAILED" if isinstance(exc, Exception) else "KILLED"
+                    self.tracker.finish(status, exc, {})
+                except Exception:
+                    pass
             self._remove_dir()
             raise
         with _active_lock:
