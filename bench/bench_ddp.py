@@ -12,9 +12,8 @@ import subprocess
 import sys
 import time
 
-from _common import BENCH, main, ratio, summary
-
 import ddp_train
+from _common import BENCH, main, ratio, summary
 
 STEPS = int(os.environ.get("BENCH_DDP_STEPS", "60"))
 

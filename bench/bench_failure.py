@@ -11,9 +11,8 @@ import tempfile
 import time
 import uuid
 
-from _common import free_port, main, ratio, summary
-
 import workloads
+from _common import free_port, main, ratio, summary
 
 
 def _raised_at(d: str) -> float:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from _common import SRC, main, summary
-
 import workloads
+from _common import SRC, main, summary
 
 _IMPORT = (
     "import sys, time; sys.path.insert(0, %r); t = time.perf_counter(); import gangrun; "

@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from _common import free_port, main, ratio, summary, timed
-
 import workloads
+from _common import free_port, main, ratio, summary, timed
 
 
 def run(reps: int) -> dict:

@@ -11,9 +11,8 @@ import os
 import tempfile
 import time
 
-from _common import main, ratio, summary, timed
-
 import workloads
+from _common import main, ratio, summary, timed
 
 NBYTES = 256 << 20
 

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 # Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
-T: list = []
 before_exit: list[Callable[[], None]] = []
 
 
@@ -161,13 +160,9 @@ def run_rank(run_dir: str, rank: int) -> int:
     from . import serialization
 
     try:
-        T.append(("main", time.time()))
         setup_context(run_dir)
-        T.append(("ctx", time.time()))
         fn, args, kwargs = serialization.load_path(os.path.join(run_dir, "payload.pkl"))
-        T.append(("payload", time.time()))
         result = fn(*args, **kwargs)
-        T.append(("fn", time.time()))
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
@@ -201,8 +196,6 @@ def run_rank(run_dir: str, rank: int) -> int:
         rec = _error_record(rank, TypeError(msg), tb)
         _write_error(run_dir, rank, rec | {"message": msg, "exc_type": "ResultSerializationError"})
         return 1
-    T.append(("dumped", time.time()))
-    with open(f"/tmp/trace.{rank}", "a") as f: f.write(repr(T)+"\n")
     return 0
 
 
