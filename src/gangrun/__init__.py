@@ -10,8 +10,6 @@ Importing gangrun is cheap: torch, mlflow and ray are imported only where used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from .errors import (
     DistributedCancelledError,
     DistributedError,
@@ -21,7 +19,10 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing is most of our import time
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
+
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
 

@@ -204,9 +204,9 @@ class Run:
             json.dump(ctx, f)
 
     def _launcher(self) -> Any:
-        from .launch.local import LocalGang
+        from .launch.forkserver import launcher_for
 
-        return LocalGang
+        return launcher_for(self.opts.start_method)
 
     def start(self) -> None:
         self._started = time.monotonic()

@@ -1,0 +1,92 @@
+"""(2) Failure surfacing: rank 1 raises while rank 0 blocks in a gloo all_reduce.
+
+Latency = when the caller holds the exception - when rank 1 raised (rank 1 writes the time).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+import uuid
+
+import workloads
+from _common import free_port, main, ratio, summary
+
+
+def _raised_at(d: str) -> float:
+    files = glob.glob(os.path.join(d, "raised.*"))
+    assert files, "rank 1 did not record its failure"
+    with open(files[0]) as f:
+        return float(f.read())
+
+
+def run(reps: int) -> dict:
+    import torch.multiprocessing as mp
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from gangrun import DistributedError, distributed
+
+    g = distributed(processes=2, mlflow=False, timeout=120, start_method="forkserver")(
+        workloads.failing
+    )
+
+    def gangrun_(d):
+        try:
+            g.distributed(d)
+        except DistributedError as e:
+            assert e.rank == 1, e
+            return
+        raise AssertionError("no failure surfaced")
+
+    def mp_spawn(d):
+        try:
+            mp.spawn(workloads.failing_spawn, args=(d, free_port()), nprocs=2, join=True)
+        except Exception:
+            return
+        raise AssertionError("no failure surfaced")
+
+    def elastic(d):
+        cfg = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=2,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            max_restarts=0,
+            monitor_interval=0.1,
+        )
+        try:
+            elastic_launch(cfg, workloads.failing)(d)
+        except Exception:
+            return
+        raise AssertionError("no failure surfaced")
+
+    methods = {"gangrun": gangrun_, "mp_spawn": mp_spawn, "elastic_launch": elastic}
+    g.distributed  # noqa: B018
+    with tempfile.TemporaryDirectory() as d0:  # warm the fork server
+        gangrun_(d0)
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for _ in range(reps):
+        for name, fn in methods.items():
+            with tempfile.TemporaryDirectory() as d:
+                fn(d)
+                times[name].append(time.time() - _raised_at(d))
+            time.sleep(0.2)
+    med = {k: summary(v) for k, v in times.items()}
+    m = {k: v["median"] for k, v in med.items()}
+    return {
+        "name": "failure",
+        "unit": "s",
+        "results": med,
+        "ratios": {
+            "gangrun_vs_mp_spawn": ratio(m["gangrun"], m["mp_spawn"]),
+            "gangrun_vs_elastic_launch": ratio(m["gangrun"], m["elastic_launch"]),
+        },
+    }
+
+
+if __name__ == "__main__":
+    main(run)

@@ -1,0 +1,80 @@
+"""(4) Result transfer: 2 ranks each returning a 256 MiB tensor.
+
+gangrun's cost = (call returning the tensors) - (the same call returning nothing; the tensors
+are still built). Baseline: ``torch.save`` of the same two tensors into the same directory
+(the run directories' temp dir) and ``torch.load`` back, in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import workloads
+from _common import main, ratio, summary, timed
+
+NBYTES = 256 << 20
+
+
+def run(reps: int) -> dict:
+    import torch
+
+    from gangrun import distributed
+
+    g = distributed(processes=2, mlflow=False, timeout=600)(workloads.big_result)
+
+    def baseline() -> float:
+        ts = [workloads.big_result(NBYTES) for _ in range(2)]
+        d = tempfile.mkdtemp(prefix="bench-save-")  # same disk as gangrun's run dirs
+        try:
+            t = time.perf_counter()
+            paths = []
+            for i, x in enumerate(ts):
+                p = os.path.join(d, f"r{i}.pt")
+                torch.save(x, p)
+                paths.append(p)
+            back = [torch.load(p) for p in paths]
+            dt = time.perf_counter() - t
+            assert all(b.numel() == NBYTES // 4 for b in back)
+            return dt
+        finally:
+            for name in os.listdir(d):
+                os.unlink(os.path.join(d, name))
+            os.rmdir(d)
+
+    g.distributed(4096)
+    full: list[float] = []
+    empty: list[float] = []
+    base: list[float] = []
+    for _ in range(reps):
+        dt, out = timed(lambda: g.distributed(NBYTES))
+        assert [o.numel() for o in out] == [NBYTES // 4] * 2
+        del out
+        full.append(dt)
+        dt, _ = timed(lambda: g.distributed(NBYTES, False))
+        empty.append(dt)
+        base.append(baseline())
+        time.sleep(0.2)
+    transfer = [max(1e-9, f - e) for f, e in zip(full, empty, strict=True)]
+    res = {
+        "gangrun_call_with_result": summary(full),
+        "gangrun_call_without_result": summary(empty),
+        "gangrun_transfer": summary(transfer),
+        "torch_save_load": summary(base),
+    }
+    return {
+        "name": "transfer",
+        "unit": "s",
+        "bytes_per_rank": NBYTES,
+        "results": res,
+        "ratios": {
+            "gangrun_vs_save_load": ratio(
+                res["gangrun_transfer"]["median"], res["torch_save_load"]["median"]
+            )
+        },
+    }
+
+
+if __name__ == "__main__":
+    main(run)

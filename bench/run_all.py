@@ -1,0 +1,283 @@
+"""Run every benchmark (each in its own warm caller process), then write
+``bench/out/results.json``, the chart ``docs/benchmarks.png`` and ``docs/benchmarks.md``.
+
+    PYTHONPATH=src python bench/run_all.py --reps 5
+
+``--only relaunch,failure`` runs a subset (the documents are still rewritten from what ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+OUT = os.path.join(BENCH, "out")
+DOCS = os.path.join(ROOT, "docs")
+ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent"]
+
+# (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
+TARGETS = [
+    ("relaunch", "warm_vs_mp_spawn", "warm relaunch / mp.spawn", 0.25, "le"),
+    ("relaunch", "warm_vs_accelerate", "warm relaunch / Accelerate", 1.5, "le"),
+    ("relaunch", "cold_vs_mp_spawn", "cold launch / mp.spawn", 1.0, "le"),
+    ("relaunch", "warm_vs_elastic_launch", "warm relaunch / elastic_launch", None, "le"),
+    ("failure", "gangrun_vs_mp_spawn", "failure surfacing / mp.spawn", 0.25, "le"),
+    ("failure", "gangrun_vs_elastic_launch", "failure surfacing / elastic_launch", None, "le"),
+    ("ddp", "gangrun_vs_torchrun", "DDP steps/s / torchrun", 0.98, "ge"),
+    ("transfer", "gangrun_vs_save_load", "256 MiB x2 result / torch.save+load", 1.5, "le"),
+    ("output", "all_vs_none", "200k lines x2: output=all / none", None, "le"),
+]
+COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
+
+
+def run_one(name: str, reps: int) -> dict:
+    path = os.path.join(OUT, f"{name}.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(ROOT, "src"), BENCH] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    t = time.time()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(BENCH, f"bench_{name}.py"),
+            "--reps",
+            str(reps),
+            "--out",
+            path,
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], file=sys.stderr)
+        return {"name": name, "error": proc.stderr[-2000:], "wall_s": time.time() - t}
+    with open(path) as f:
+        res = json.load(f)
+    res["wall_s"] = time.time() - t
+    return res
+
+
+def environment() -> dict:
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)),
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "loadavg_at_start": os.getloadavg()[0],
+    }
+
+
+def verdicts(results: dict) -> list[dict]:
+    rows = []
+    for bench, key, label, target, op in TARGETS:
+        r = results.get(bench, {}).get("ratios", {}).get(key)
+        ok = None
+        if r is not None and target is not None:
+            ok = r <= target if op == "le" else r >= target
+        rows.append({"label": label, "value": r, "target": target, "op": op, "ok": ok})
+    f = results.get("failure", {}).get("results", {}).get("gangrun", {}).get("median")
+    rows.append(
+        {
+            "label": "failure surfacing, s",
+            "value": f,
+            "target": 0.1,
+            "op": "le",
+            "ok": None if f is None else f <= 0.1,
+        }
+    )
+    lost = results.get("output", {}).get("lost_lines")
+    if lost is not None:
+        n = sum(lost) + results["output"].get("garbled_lines", 0)
+        rows.append(
+            {"label": "output lines lost", "value": n, "target": 0, "op": "le", "ok": n == 0}
+        )
+    imp = results.get("parent", {}).get("results", {}).get("import_s", {}).get("median")
+    if imp is not None:
+        rows.append(
+            {
+                "label": "import gangrun, ms",
+                "value": imp * 1000,
+                "target": 50,
+                "op": "le",
+                "ok": imp * 1000 < 50,
+            }
+        )
+    return rows
+
+
+def chart(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in rows if r["value"] is not None and "/" in r["label"]]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rs) + 1.5))
+    ys = list(range(len(rs)))[::-1]
+    colors = [
+        "tab:green" if r["ok"] else ("tab:red" if r["ok"] is False else "tab:gray") for r in rs
+    ]
+    ax.barh(ys, [r["value"] for r in rs], color=colors)
+    for y, r in zip(ys, rs, strict=True):
+        ax.text(r["value"], y, f" {r['value']:.3g}", va="center", fontsize=8)
+        if r["target"] is not None:
+            ax.plot([r["target"]] * 2, [y - 0.4, y + 0.4], color="black", lw=1.5)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r["label"] for r in rs], fontsize=8)
+    ax.axvline(1.0, color="gray", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("ratio, gangrun / baseline (log scale; black tick = target, green = met)")
+    ax.set_title("gangrun vs peers (2 ranks, medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "n/a"
+    if unit == "s":
+        return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+    return f"{x:.3g}"
+
+
+def markdown(results: dict, rows: list[dict], env: dict) -> str:
+    out = [
+        "# Benchmarks",
+        "",
+        "gangrun against the launchers a notebook user would otherwise reach for: warm parent,",
+        "2 ranks on CPU (gloo), medians of repeated runs, methods interleaved within each",
+        "repetition. gangrun runs with `mlflow=False` (the baselines track nothing).",
+        "",
+        "Reproduce (from the repository root, on a quiet machine):",
+        "",
+        "```",
+        COMMAND,
+        "```",
+        "",
+        "It rewrites `bench/out/results.json`, this file and the chart. Each benchmark can also",
+        "run alone: `PYTHONPATH=src python bench/bench_relaunch.py --reps 5`.",
+        "",
+        f"Last run: {env.get('date')}, Python {env.get('python')}, torch {env.get('torch')}, "
+        f"{env.get('cpus')} CPUs ({env.get('machine')}, Linux {env.get('kernel')}), "
+        f"load average at start {env.get('loadavg_at_start', 0):.1f}.",
+        "",
+        "![ratios](benchmarks.png)",
+        "",
+        "## Targets",
+        "",
+        "| measure | value | target | met |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        tgt = (
+            ""
+            if r["target"] is None
+            else ("<= " if r["op"] == "le" else ">= ") + f"{r['target']:g}"
+        )
+        met = {True: "yes", False: "**no**", None: ""}[r["ok"]]
+        out.append(f"| {r['label']} | {_fmt(r['value'])} | {tgt} | {met} |")
+    out += ["", "## Medians", ""]
+    for name in ORDER:
+        res = results.get(name)
+        if not res:
+            continue
+        out.append(f"### {name}")
+        out.append("")
+        if "error" in res:
+            out += ["```", res["error"], "```", ""]
+            continue
+        unit = res.get("unit", "s")
+        out += ["| what | median | min | max | n |", "|---|---|---|---|---|"]
+        for k, v in res.get("results", {}).items():
+            u = unit if unit == "s" else ""
+            out.append(
+                f"| {k} | {_fmt(v['median'], u)} | {_fmt(v['min'], u)} | {_fmt(v['max'], u)} "
+                f"| {v['n']} |"
+            )
+        extra = {
+            k: v for k, v in res.items() if k not in ("results", "ratios", "name", "unit", "wall_s")
+        }
+        if extra:
+            out.append("")
+            out.append("Also: " + ", ".join(f"`{k}` = {json.dumps(v)}" for k, v in extra.items()))
+        if res.get("ratios"):
+            out.append("")
+            out.append("Ratios: " + ", ".join(f"`{k}` = {v:.3g}" for k, v in res["ratios"].items()))
+        out.append("")
+    out += [
+        "## What is measured",
+        "",
+        "1. **relaunch**: wall time of one call of a function that imports torch. gangrun *cold*",
+        "   starts a new fork server each time (the first call of a session); *warm* reuses it;",
+        '   `gangrun_spawn` is `start_method="spawn"`. Baselines: `torch.multiprocessing.spawn`,',
+        "   `elastic_launch` (torchrun's engine, `monitor_interval=0.1`), Accelerate's",
+        "   `notebook_launcher` (forks the caller, which imported torch but never CUDA).",
+        "2. **failure**: rank 1 raises 0.3 s after `init_process_group` while rank 0 blocks in a",
+        "   gloo `all_reduce`; time from rank 1's raise to the exception in the caller.",
+        "3. **ddp**: `bench/ddp_train.py` (2-layer MLP, DDP, SGD) steps/s on rank 0 under gangrun",
+        "   and `torchrun --standalone`, both with the same `OMP_NUM_THREADS` (cores / ranks).",
+        "4. **transfer**: 2 ranks each return a 256 MiB float32 tensor; gangrun's cost is the call",
+        "   minus the same call returning nothing. Baseline: `torch.save` of both tensors into",
+        "   the same temp directory and `torch.load` back.",
+        "5. **output**: 2 ranks print 200k numbered lines each (with a little compute); the caller's",
+        "   `sys.stdout` checks every line arrived once, whole, with its `[rank N]` prefix.",
+        "6. **parent**: `import gangrun` in a fresh interpreter (and that it imports no torch,",
+        "   mlflow, ray or numpy); the caller's RSS growth per call over 20+ calls.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--render", action="store_true", help="only rewrite the docs from results")
+    a = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(DOCS, exist_ok=True)
+    names = [n for n in ORDER if not a.only or n in a.only.split(",")]
+    env = environment()
+    results: dict = {}
+    prev = os.path.join(OUT, "results.json")
+    if (a.only or a.render) and os.path.exists(prev):
+        with open(prev) as f:
+            saved = json.load(f)
+        results = saved.get("benchmarks", {})
+        if a.render:
+            env, a.reps, names = saved.get("environment", env), saved.get("reps", a.reps), []
+    for n in names:
+        print(f"== {n}", flush=True)
+        results[n] = run_one(n, a.reps)
+        print(json.dumps(results[n].get("ratios", results[n].get("error"))), flush=True)
+    rows = verdicts(results)
+    with open(prev, "w") as f:
+        json.dump(
+            {"environment": env, "reps": a.reps, "benchmarks": results, "targets": rows},
+            f,
+            indent=2,
+        )
+    chart(rows, os.path.join(DOCS, "benchmarks.png"))
+    with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
+        f.write(markdown(results, rows, env))
+    for r in rows:
+        print(f"{r['label']:45s} {_fmt(r['value']):>10s}  {r['ok']}")
+
+
+if __name__ == "__main__":
+    main()
