@@ -1,0 +1,177 @@
+"""backend="ray" on a real two-node Ray cluster started on this machine.
+
+``ray.cluster_utils.Cluster`` starts a head and a second node (each with its own raylet and
+one CPU), so two CPU ranks cannot share a node: rank 0 lands on one, rank 1 on the other.
+The cluster is shared by the module's tests and torn down at the end (no raylet may survive).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("ray")
+
+from gangrun import DistributedError, distributed  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB, "include_dashboard": False},
+    )
+    c.add_node(num_cpus=1, object_store_memory=100 * MB)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
+    try:
+        yield c
+    finally:
+        nodes = [c.head_node, *c.worker_nodes]
+        pids = set()
+        for node in nodes:
+            for _, proc in node.live_processes():
+                pids.add(proc.pid)
+                try:
+                    pids.update(ch.pid for ch in psutil.Process(proc.pid).children(recursive=True))
+                except psutil.Error:
+                    pass
+        ray.shutdown()
+        c.shutdown()
+        deadline = time.monotonic() + 15
+        while pids_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = pids_alive(pids)
+        assert not left, f"Ray processes survived the cluster shutdown: {left}"
+
+
+def pids_alive(pids):
+    # imported here, not at the top: the ranks import this module to find their function,
+    # and importing conftest there would re-run its session setup in every rank
+    from conftest import pids_alive
+
+    return pids_alive(pids)
+
+
+def _opts(cluster, **kw):
+    env = {"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD", **kw.pop("env", {})}
+    return dict(processes=2, backend="ray", address=cluster.address, env=env, **kw)
+
+
+def _assert_gang_gone(handle):
+    """The actors, their rank processes and the placement group of a finished call are gone."""
+    from ray.util import placement_group_table
+
+    gang = handle._run.gang
+    pids = [info["pid"] for info in gang.nodes.values()] + list(gang.pids.values())
+    deadline = time.monotonic() + 10
+    while pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pids_alive(pids), "actor or rank processes survived"
+    states = {pg["state"] for pg in placement_group_table().values()}
+    assert states <= {"REMOVED"}, states
+
+
+def ddp_step(scale: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    rank = dist.get_rank()
+    loss = model(torch.full((2, 4), float(rank + 1))).sum() * scale
+    loss.backward()
+    grad = model.module.weight.grad.clone()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    print(f"node {os.environ['NODE_RANK']} done")
+    return {
+        "rank": rank,
+        "node_id": os.environ["GANGRUN_RAY_NODE_ID"],
+        "node_rank": int(os.environ["NODE_RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "grad": grad.tolist(),
+        "sum": total.item(),
+    }
+
+
+def test_ddp_on_two_nodes(cluster, capfd):
+    fn = distributed(**_opts(cluster, mlflow=False))(ddp_step)
+    handle = fn.submit(0.5)
+    r0, r1 = handle.result(timeout=120)
+    assert (r0["rank"], r1["rank"]) == (0, 1)
+    assert r0["node_id"] != r1["node_id"]  # really on two nodes
+    assert (r0["node_rank"], r1["node_rank"]) == (0, 1)
+    assert r0["local_rank"] == r1["local_rank"] == 0
+    assert r0["sum"] == r1["sum"] == 1.0
+    assert r0["grad"] == r1["grad"]  # DDP averaged the gradients across the nodes
+    out = capfd.readouterr().out
+    assert "[rank 0] node 0 done" in out and "[rank 1] node 1 done" in out
+    assert "node 1 done" in handle.logs(1)
+    _assert_gang_gone(handle)
+
+
+def fail_on_second_node() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError(f"bad shard on node {os.environ['NODE_RANK']}")
+    dist.barrier()  # rank 0 blocks here until the teardown stops it
+
+
+def test_failure_on_second_node(cluster):
+    fn = distributed(**_opts(cluster, mlflow=False, grace_period=2.0))(fail_on_second_node)
+    handle = fn.submit()
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError) as info:
+        handle.result(timeout=120)
+    err = info.value
+    assert err.rank == 1
+    assert err.exc_type == "ValueError"
+    assert "bad shard on node 1" in str(err)
+    assert "Traceback" in err.traceback and "fail_on_second_node" in err.traceback
+    assert isinstance(err.__cause__, ValueError)
+    assert time.monotonic() - t0 < 60
+    _assert_gang_gone(handle)
+
+
+def log_to_mlflow() -> int:
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(3):
+        mlflow.log_metric(f"loss_rank{rank}", 1.0 / (step + 1), step=step)
+    mlflow.log_metric("node_rank", int(os.environ["NODE_RANK"]), step=rank)
+    return rank
+
+
+def test_mlflow_metrics_from_both_nodes(cluster):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()  # the session's sqlite store (conftest sets MLFLOW_TRACKING_URI)
+    exp = client.get_experiment_by_name("Default") or client.get_experiment("0")
+    own = client.create_run(exp.experiment_id).info.run_id
+    env = {"MLFLOW_RUN_ID": own, "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"]}
+    fn = distributed(**_opts(cluster, env=env))(log_to_mlflow)
+    handle = fn.submit()
+    assert handle.result(timeout=120) == [0, 1]
+    run_id = handle.mlflow_run_id or own  # gangrun's own run once tracking is on
+    for rank in (0, 1):
+        hist = client.get_metric_history(run_id, f"loss_rank{rank}")
+        assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [1.0, 0.5, 1.0 / 3]
+    nodes = client.get_metric_history(run_id, "node_rank")
+    assert sorted((m.step, m.value) for m in nodes) == [(0, 0.0), (1, 1.0)]
+    _assert_gang_gone(handle)
