@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+
 from conftest import assert_no_survivors
 
 SCRIPT = """
@@ -95,7 +96,15 @@ def test_timeout_exit_code(tmp_path, train):
     t0 = time.monotonic()
     code, out, err = finish(
         gangrun(
-            tmp_path, "run", "--processes", "2", "--no-mlflow", "--timeout", "2", "train.py", "sleep"
+            tmp_path,
+            "run",
+            "--processes",
+            "2",
+            "--no-mlflow",
+            "--timeout",
+            "2",
+            "train.py",
+            "sleep",
         )
     )
     assert code == 124, err

@@ -677,7 +677,9 @@ class RayRun(Run):
             self.gpu_name = types[0] if len(types) == 1 else None
         strategy = (_knob(o, "GANGRUN_RAY_STRATEGY", "PACK") or "PACK").upper()
         if strategy not in _STRATEGIES:
-            raise LaunchError(f"GANGRUN_RAY_STRATEGY must be one of {_STRATEGIES}, got {strategy!r}.")
+            raise LaunchError(
+                f"GANGRUN_RAY_STRATEGY must be one of {_STRATEGIES}, got {strategy!r}."
+            )
         self._strategy = strategy
         raw = _knob(o, "GANGRUN_RAY_RUNTIME_ENV")
         try:

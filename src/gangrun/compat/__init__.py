@@ -1,0 +1,15 @@
+"""Drop-in replacements for other launchers' entry points (imported lazily)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TorchDistributor"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchDistributor":
+        from .torch_distributor import TorchDistributor
+
+        return TorchDistributor
+    raise AttributeError(f"module 'gangrun.compat' has no attribute {name!r}")
