@@ -175,3 +175,25 @@ def test_mlflow_metrics_from_both_nodes(cluster):
     nodes = client.get_metric_history(run_id, "node_rank")
     assert sorted((m.step, m.value) for m in nodes) == [(0, 0.0), (1, 1.0)]
     _assert_gang_gone(handle)
+
+
+def wait_then_sleep(flag_dir: str) -> None:
+    open(os.path.join(flag_dir, f"ready.{os.environ['RANK']}"), "w").close()
+    time.sleep(60)
+
+
+def test_lost_actor_names_its_ranks(cluster, tmp_path):
+    import ray
+
+    fn = distributed(**_opts(cluster, mlflow=False, grace_period=1.0))(wait_then_sleep)
+    handle = fn.submit(str(tmp_path))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ray.kill(handle._run.gang.actors[1])  # as if rank 1's node went away
+    with pytest.raises(DistributedError) as info:
+        handle.result(timeout=60)
+    err = info.value
+    assert err.rank == 1
+    assert "was lost" in str(err) and "ranks [1] ran on that node" in str(err)
+    _assert_gang_gone(handle)
