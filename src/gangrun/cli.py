@@ -36,6 +36,20 @@ class ScriptTarget:
         self.argv = [str(a) for a in argv]
         self.module = module
         self.__name__ = self.__qualname__ = target
+        # The script's text travels too: on another node (backend="ray") the path may not exist.
+        self.source: bytes | None = None
+        if not module:
+            with open(self.target, "rb") as f:
+                self.source = f.read()
+
+    def _script_path(self) -> str:
+        if os.path.isfile(self.target) or self.source is None:
+            return self.target
+        where = os.environ.get("GANGRUN_RUN_DIR") or "."
+        path = os.path.join(where, os.path.basename(self.target))
+        with open(path, "wb") as f:
+            f.write(self.source)
+        return path
 
     def __call__(self) -> None:
         if self.module:
@@ -44,9 +58,10 @@ class ScriptTarget:
                 sys.path.insert(0, os.getcwd())  # as `python -m` does
             runpy.run_module(self.target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [self.target, *self.argv]
-            sys.path.insert(0, os.path.dirname(self.target))  # as `python script.py` does
-            runpy.run_path(self.target, run_name="__main__")
+            path = self._script_path()
+            sys.argv = [path, *self.argv]
+            sys.path.insert(0, os.path.dirname(path))  # as `python script.py` does
+            runpy.run_path(path, run_name="__main__")
 
     def __repr__(self) -> str:
         kind = "-m " if self.module else ""

@@ -149,3 +149,22 @@ def test_info(tmp_path):
     assert "accelerators" in out
     assert "RANK=0" in out and "WORLD_SIZE=3" in out and "MASTER_ADDR=127.0.0.1" in out
     assert os.environ.get("RANK") is None  # info starts nothing
+
+
+def test_script_travels_with_its_source(tmp_path, monkeypatch):
+    """On another node (backend="ray") the script's path may not exist: its text is shipped."""
+    import pickle
+
+    from gangrun.cli import ScriptTarget
+
+    src = tmp_path / "gone.py"
+    src.write_text("import sys\nRESULT = sys.argv[1:]\nassert __name__ == '__main__'\n")
+    target = pickle.loads(pickle.dumps(ScriptTarget(str(src), ["a", 1])))
+    src.unlink()
+    run_dir = tmp_path / "rundir"
+    run_dir.mkdir()
+    monkeypatch.setenv("GANGRUN_RUN_DIR", str(run_dir))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    target()
+    assert sys.argv == [str(run_dir / "gone.py"), "a", "1"]

@@ -197,3 +197,68 @@ def test_lost_actor_names_its_ranks(cluster, tmp_path):
     assert err.rank == 1
     assert "was lost" in str(err) and "ranks [1] ran on that node" in str(err)
     _assert_gang_gone(handle)
+
+
+CALLER = """
+import os, sys, time
+from gangrun import distributed
+
+def wait_then_sleep(flag_dir):
+    open(os.path.join(flag_dir, f"ready.{os.environ['RANK']}"), "w").close()
+    time.sleep(120)
+
+address, flag_dir = sys.argv[1], sys.argv[2]
+fn = distributed(processes=2, backend="ray", address=address, mlflow=False,
+                 env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"})(wait_then_sleep)
+fn.distributed(flag_dir)
+"""
+
+
+def test_caller_killed_leaves_nothing(cluster, tmp_path, script):
+    import signal
+
+    from conftest import assert_no_survivors, run_processes
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    caller = script(CALLER, cluster.address, str(flags))
+    deadline = time.monotonic() + 90
+    while len(list(flags.glob("ready.*"))) < 2 and time.monotonic() < deadline:
+        assert caller.poll() is None, caller.communicate()
+        time.sleep(0.2)
+    assert len(run_processes(caller.pid)) >= 2
+    caller.send_signal(signal.SIGKILL)  # the kernel dies: Ray drops its actors, ranks follow
+    caller.communicate(timeout=30)
+    assert_no_survivors(caller.pid, wait=30)
+
+
+CLI_SCRIPT = """
+import os, sys
+print(f"rank {os.environ['RANK']} on node {os.environ['NODE_RANK']} argv={sys.argv[1:]}")
+if os.environ["RANK"] == "1":
+    sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_cli_on_ray_exit_code(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import assert_no_survivors
+
+    (tmp_path / "train.py").write_text(CLI_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gangrun", "run", "--backend", "ray", "--address"]
+        + [cluster.address, "--processes", "2", "--no-mlflow"]
+        + ["--env", "GANGRUN_RAY_STRATEGY=STRICT_SPREAD", "train.py", "3"],
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert_no_survivors(proc.pid)
+    assert proc.returncode == 3, err
+    assert "[rank 0] rank 0 on node 0 argv=['3']" in out
+    assert "[rank 1] rank 1 on node 1 argv=['3']" in out
+    assert "Rank 1" in err and "exited with code 3" in err

@@ -72,7 +72,7 @@ _FORWARD_PREFIXES = (
 )
 # Per-node variables the actor computes (the caller's values mean nothing on another node).
 _NODE_LOCAL = ("CUDA_VISIBLE_DEVICES", "GANGRUN_CWD")
-POLL_S = 0.5
+POLL_S = 2.0  # an idle rank's poll returns this often; output and exits return at once
 
 
 def _ray() -> Any:
@@ -112,7 +112,7 @@ def connect(address: str | None) -> Any:
     except ConnectionError as exc:
         raise LaunchError(
             f"Could not connect to a Ray cluster ({address or 'no address given, none running'}"
-            f"): {exc}. Pass address='ray://host:10001' or 'host:6379' (or set RAY_ADDRESS), "
+            f"): {str(exc).rstrip('.')}. Pass address='ray://host:10001' or 'host:6379' (or set RAY_ADDRESS), "
             "start one with `ray start --head`, or pass address='local' to start a Ray "
             "on this machine."
         ) from exc
@@ -689,6 +689,8 @@ class RayRun(Run):
         if not isinstance(self._runtime_env, dict):
             raise LaunchError("GANGRUN_RAY_RUNTIME_ENV must be a JSON object.")
         self._placement_timeout = float(_knob(o, "GANGRUN_RAY_PLACEMENT_TIMEOUT", "300") or 300)
+        if o.timeout is not None:
+            self._placement_timeout = min(self._placement_timeout, float(o.timeout))
 
     def _gang_spec(self) -> GangSpec:
         spec = super()._gang_spec()
