@@ -262,3 +262,14 @@ def test_cli_on_ray_exit_code(cluster, tmp_path):
     assert "[rank 0] rank 0 on node 0 argv=['3']" in out
     assert "[rank 1] rank 1 on node 1 argv=['3']" in out
     assert "Rank 1" in err and "exited with code 3" in err
+
+
+def test_more_than_the_cluster_has_is_a_launch_error(cluster):
+    from gangrun import LaunchError
+
+    with pytest.raises(LaunchError, match="cluster has 2 CPU"):
+        distributed(**{**_opts(cluster), "processes": 3}, mlflow=False)(log_to_mlflow).submit()
+    with pytest.raises(LaunchError, match="gpus=1 but the Ray cluster has 0 GPU"):
+        distributed(gpus=1, backend="ray", address=cluster.address, mlflow=False)(
+            log_to_mlflow
+        ).submit()

@@ -322,7 +322,15 @@ class RayGang:
     # -- start ---------------------------------------------------------------------------
     def start(self) -> None:
         try:
-            self._start()
+            try:
+                self._start()
+            except self.ray.exceptions.RayError as exc:
+                raise LaunchError(
+                    f"Could not start the ranks' actors on the Ray cluster: {exc}\n"
+                    "Is gangrun (with the same Python and torch) installed on every node? "
+                    "Code can also be shipped with GANGRUN_RAY_RUNTIME_ENV, e.g. "
+                    '\'{"py_modules": ["/path/to/gangrun"]}\'.'
+                ) from exc
         except BaseException:
             self._stopping = True
             self._teardown(0.0)
