@@ -381,7 +381,7 @@ class RayGang:
         self._check_gpu_type()
         envs = self._rank_envs()
         with open(os.path.join(spec.run_dir, "payload.pkl"), "rb") as f:
-            payload = f.read()
+            payload = ray.put(f.read())  # once in the object store, not once per rank
         with open(os.path.join(spec.run_dir, "context.json")) as f:
             context = json.load(f)
         context["use_actor_cwd"] = bool(runtime_env and "working_dir" in runtime_env)
