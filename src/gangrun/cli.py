@@ -201,7 +201,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
         handle.result()
         return 0
     except DistributedError as exc:
-        print(f"gangrun: {exc}", file=sys.stderr)
+        hint = (
+            "" if ns.log_dir else "\n(the logs go away with this command: --log-dir DIR keeps them)"
+        )
+        print(f"gangrun: {exc}{hint if exc.rank is not None else ''}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         if handle is not None:

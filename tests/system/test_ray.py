@@ -273,3 +273,22 @@ def test_more_than_the_cluster_has_is_a_launch_error(cluster):
         distributed(gpus=1, backend="ray", address=cluster.address, mlflow=False)(
             log_to_mlflow
         ).submit()
+
+
+def node_rank_and_world() -> tuple[int, int]:
+    return int(os.environ["NODE_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def test_torch_distributor_cluster_mode(cluster):
+    from gangrun.compat import TorchDistributor
+
+    d = TorchDistributor(
+        num_processes=2,
+        local_mode=False,
+        use_gpu=False,
+        backend="ray",
+        address=cluster.address,
+        mlflow=False,
+        env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"},
+    )
+    assert d.run(node_rank_and_world) == (0, 2)  # rank 0's value, as Spark returns
