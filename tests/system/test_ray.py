@@ -292,3 +292,25 @@ def test_torch_distributor_cluster_mode(cluster):
         env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"},
     )
     assert d.run(node_rank_and_world) == (0, 2)  # rank 0's value, as Spark returns
+
+
+def uses_shipped_module() -> tuple:
+    import importlib
+
+    mod = importlib.import_module("shipped_mod_gangrun_test")
+    return mod.VALUE, os.environ.get("SHIPPED_VAR"), os.path.basename(os.getcwd())
+
+
+def test_runtime_env_ships_working_dir(cluster, tmp_path):
+    import json
+
+    wd = tmp_path / "project"
+    wd.mkdir()
+    (wd / "shipped_mod_gangrun_test.py").write_text("VALUE = 42\n")
+    rt = {"working_dir": str(wd), "env_vars": {"SHIPPED_VAR": "yes"}}
+    fn = distributed(
+        **_opts(cluster, mlflow=False, env={"GANGRUN_RAY_RUNTIME_ENV": json.dumps(rt)})
+    )
+    out = fn(uses_shipped_module).distributed()
+    assert [o[:2] for o in out] == [(42, "yes"), (42, "yes")]
+    assert all(o[2].startswith("_ray_pkg_") for o in out)  # the ranks run in the shipped copy

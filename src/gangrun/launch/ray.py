@@ -24,7 +24,9 @@ Knobs (environment variables, read from ``env=`` first, then the caller's enviro
 - ``GANGRUN_RAY_STRATEGY``: placement strategy, ``PACK`` (default), ``SPREAD``,
   ``STRICT_PACK`` or ``STRICT_SPREAD``.
 - ``GANGRUN_RAY_RUNTIME_ENV``: JSON Ray runtime env merged into the actors' (``working_dir``,
-  ``py_modules``, ``pip``, ``env_vars``...), to ship code the function imports by name.
+  ``py_modules``, ``pip``, ``env_vars``...), to ship code the function imports by name;
+  local directories are uploaded to the cluster as ``ray.init`` does, and with a
+  ``working_dir`` the ranks run in its shipped copy.
 - ``GANGRUN_RAY_PLACEMENT_TIMEOUT``: seconds to wait for the bundles (default 300).
 - ``GANGRUN_RAY_FORWARD_ENV``: comma-separated names of further caller variables to ship.
 """
@@ -696,6 +698,7 @@ class RayRun(Run):
             raise LaunchError(f"GANGRUN_RAY_RUNTIME_ENV is not valid JSON: {exc}") from exc
         if not isinstance(self._runtime_env, dict):
             raise LaunchError("GANGRUN_RAY_RUNTIME_ENV must be a JSON object.")
+        self._runtime_env = _upload_local_dirs(ray, self._runtime_env)
         self._placement_timeout = float(_knob(o, "GANGRUN_RAY_PLACEMENT_TIMEOUT", "300") or 300)
         if o.timeout is not None:
             self._placement_timeout = min(self._placement_timeout, float(o.timeout))
@@ -751,6 +754,34 @@ class RayRun(Run):
         info = super().tracking_info()
         info["backend"] = "ray"
         return info
+
+
+def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """Upload a local ``working_dir``/``py_modules`` to the cluster (as ``ray.init`` does for
+    a job's runtime env; Ray refuses local paths in an actor's own runtime env)."""
+    wd = runtime_env.get("working_dir")
+    mods = runtime_env.get("py_modules") or []
+    local = (isinstance(wd, str) and "://" not in wd) or any(
+        not isinstance(m, str) or "://" not in m for m in mods
+    )
+    if not local:
+        return runtime_env
+    try:
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+        scratch = ray._private.worker.global_worker.node.get_runtime_env_dir_path()
+        env = dict(runtime_env)
+        env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        env.pop("excludes", None)
+        return env  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise LaunchError(
+            f"Could not upload the local working_dir/py_modules of GANGRUN_RAY_RUNTIME_ENV "
+            f"({exc}). Pass them to ray.init(runtime_env=...) yourself before the call, or "
+            "give URIs (s3://..., gs://...) instead."
+        ) from exc
 
 
 def _type_matches(ray_type: str, want: str) -> bool:
