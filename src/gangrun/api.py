@@ -6,12 +6,10 @@ import atexit
 import dataclasses
 import functools
 import numbers
-import shutil
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
-
 
 from .errors import DistributedError, LaunchError
 from .serialization import DEFAULT_MAX_CAPTURE_BYTES
@@ -108,7 +106,9 @@ class RunHandle(Generic[R]):
     def __init__(self, run: Any) -> None:
         self._run = run
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
-        self._finalizer = weakref.finalize(self, shutil.rmtree, run.run_dir, True)
+        # A handle dropped while its call still runs must not pull the files from under it:
+        # the run then removes its directory itself when it ends.
+        self._finalizer = weakref.finalize(self, run.release)
 
     @property
     def run_id(self) -> str:

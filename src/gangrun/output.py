@@ -122,7 +122,7 @@ class OutputPump:
             with self._lock:
                 if not self._streams and self._stop_at is not None:
                     return
-                pending = [s for s in self._streams.values() if s.buf and not s.shown]
+                pending = [s for s in self._streams.values() if self._waiting(s)]
             timeout: float | None = None
             if pending:
                 timeout = max(0.0, min(s.since for s in pending) + IDLE_FLUSH_S - time.monotonic())
@@ -194,7 +194,10 @@ class OutputPump:
                     # the open line grows: redraw it whole
                     s.shown = False
                 s.buf += piece
-        if s.buf and s.cr_line and not s.shown and tgt is not None:
+        # A progress frame is drawn only while no other rank's bar holds the open line: two
+        # bars cannot share the one line a text stream can rewrite, so the other rank's bar is
+        # shown when its line ends (or once the line is free) instead of one line per frame.
+        if s.buf and s.cr_line and not s.shown and tgt is not None and tgt.owner in (None, s):
             out.append(self._open_line(s, tgt))
         if out and tgt is not None:
             self._write(tgt, "".join(out))
@@ -219,8 +222,15 @@ class OutputPump:
         s.shown = True
         return head + s.prefix + s.buf
 
+    @staticmethod
+    def _waiting(s: _Stream) -> bool:
+        """A partial line that the idle timer should show (hidden bars wait for the line)."""
+        if not s.buf or s.shown or s.target is None:
+            return False
+        return not (s.cr_line and s.target.owner not in (None, s))
+
     def _show_partial(self, s: _Stream) -> None:
-        if s.target is not None:
+        if self._waiting(s) and s.target is not None:
             self._write(s.target, self._open_line(s, s.target))
 
     def _finish(self, s: _Stream) -> None:

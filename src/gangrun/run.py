@@ -92,7 +92,7 @@ class Run:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._started = 0.0
-        self._cleanup_dir = True
+        self._released = False
 
     # ------------------------------------------------------------------ launch
     def _resolve_world(self) -> None:
@@ -225,7 +225,13 @@ class Run:
 
                 self.tracker = Tracker.start(self.tracking_info(), self.stdout)
             self._launch_attempt()
-        except BaseException:
+        except BaseException as exc:
+            if self.tracker is not None:  # the run was created: never leave it RUNNING
+                try:
+                    status = "FAILED" if isinstance(exc, Exception) else "KILLED"
+                    self.tracker.finish(status, exc, {})
+                except Exception:
+                    pass
             self._remove_dir()
             raise
         with _active_lock:
@@ -479,7 +485,9 @@ class Run:
             self._clear_attempt_files()
             with _active_lock:
                 _active.discard(self)
-            self._done.set()
+                if self._released:
+                    self._remove_dir()
+                self._done.set()
 
     # ------------------------------------------------------------------ public-ish
     def log_files(self) -> dict[int, str]:
@@ -498,7 +506,16 @@ class Run:
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
+        # Wait in slices so the main thread stays responsive to KeyboardInterrupt even when it
+        # is raised by _thread.interrupt_main() rather than a real SIGINT (which interrupts a
+        # blocking wait anyway). The event still wakes the waiter at once when the run ends.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+            if self._done.wait(max(0.0, left)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -508,6 +525,14 @@ class Run:
             raise self._error
         assert self._results is not None
         return self._results
+
+    def release(self) -> None:
+        """The handle is gone: remove the run directory now, or when the call ends."""
+        with _active_lock:
+            self._released = True
+            done = self._done.is_set()
+        if done:
+            self._remove_dir()
 
     def _remove_dir(self) -> None:
         if self.run_dir:

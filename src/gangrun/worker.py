@@ -202,6 +202,10 @@ def run_rank(run_dir: str, rank: int) -> int:
 def main() -> None:
     faulthandler.enable(all_threads=True)
     start_liveness_watchdog()
+    if os.environ.get("MLFLOW_RUN_ID"):
+        from .tracking import flush_in_rank
+
+        before_exit.append(flush_in_rank)
     run_dir = os.environ["GANGRUN_RUN_DIR"]
     rank = int(os.environ["RANK"])
     code = run_rank(run_dir, rank)

@@ -1,4 +1,7 @@
-"""Drop-in replacements for other launchers' entry points (imported lazily)."""
+"""Compatibility helpers for code written for other launchers and frameworks.
+
+``TorchDistributor`` (Spark's API, imported lazily) lives in :mod:`.torch_distributor`.
+"""
 
 from __future__ import annotations
 

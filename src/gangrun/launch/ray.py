@@ -739,17 +739,6 @@ class RayRun(Run):
     def _launcher(self) -> Any:
         return RayGang
 
-    def start(self) -> None:
-        try:
-            super().start()
-        except BaseException as exc:
-            if self.tracker is not None:  # the MLflow run was created before the launch failed
-                try:
-                    self.tracker.finish("FAILED", exc, {})
-                except Exception:
-                    pass
-            raise
-
     def tracking_info(self) -> dict[str, Any]:
         info = super().tracking_info()
         info["backend"] = "ray"

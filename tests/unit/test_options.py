@@ -1,0 +1,124 @@
+"""Everything caught before launch raises LaunchError with a useful message (no process starts)."""
+
+from __future__ import annotations
+
+import pytest
+
+import gangrun
+from gangrun import LaunchError, accelerators, distributed
+from gangrun.accelerators import Accelerator
+
+
+def _noop() -> int:
+    return 1
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend the node has the given GPUs (a mock stands in for hardware we lack)."""
+
+    def set_(*names: str) -> None:
+        devs = [Accelerator(i, n, f"GPU-{i}") for i, n in enumerate(names)]
+        monkeypatch.setattr(accelerators, "detect", lambda: devs)
+
+    return set_
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"gpus": 2, "processes": 2}, "not both"),
+        ({"processes": 0}, "processes must be >= 1"),
+        ({"processes": -3}, "processes must be >= 1"),
+        ({"processes": 1.5}, "processes must be an integer"),
+        ({"processes": True}, "processes must be an integer"),
+        ({"gpus": 0}, "gpus must be >= 1"),
+        ({"timeout": 0}, "timeout must be a positive number"),
+        ({"timeout": -5}, "timeout must be a positive number"),
+        ({"timeout": "1h"}, "timeout must be a number"),
+        ({"output": "rank1"}, "output must be one of"),
+        ({"max_restarts": -1}, "max_restarts must be >= 0"),
+        ({"gpu_type": ""}, "gpu_type must be a non-empty string"),
+        ({"env": {"A=B": "x"}}, "invalid variable name"),
+        ({"env": {"X": None}}, "must be a string"),
+        ({"bogus": 1}, "unknown @distributed argument"),
+    ],
+)
+def test_bad_decorator_arguments(kwargs, fragment):
+    with pytest.raises(LaunchError, match=fragment):
+        distributed(**kwargs)(_noop)
+
+
+def test_timeout_none_disables():
+    f = distributed(processes=1, timeout=None)(_noop)
+    assert f.settings.timeout is None
+
+
+def test_bare_decorator_and_plain_call():
+    f = distributed(_noop)
+    assert f() == 1
+    assert f.__name__ == "_noop"
+    assert isinstance(f, gangrun.DistributedFunction)
+
+
+def test_options_returns_copy():
+    f = distributed(processes=2, timeout=10)(_noop)
+    g = f.options(processes=4)
+    assert f.settings.processes == 2 and g.settings.processes == 4
+    assert g.settings.timeout == 10
+    h = f.options(gpus=2)
+    assert h.settings.gpus == 2 and h.settings.processes is None
+    with pytest.raises(LaunchError, match="unknown option"):
+        f.options(gpuz=1)
+    with pytest.raises(LaunchError, match="timeout"):
+        f.options(timeout=-1)
+
+
+def test_no_gpu_and_no_processes_suggests_processes(gpus):
+    gpus()
+    with pytest.raises(LaunchError, match=r"processes=N"):
+        distributed()(_noop).submit()
+
+
+def test_gpus_beyond_node(gpus):
+    gpus("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3")
+    with pytest.raises(LaunchError, match=r"gpus=8 but this node has 2 visible GPU"):
+        distributed(gpus=8)(_noop).submit()
+
+
+def test_gpu_type_mismatch(gpus):
+    gpus("NVIDIA A100-SXM4-80GB")
+    with pytest.raises(LaunchError, match=r"gpu_type='H100' does not match .*A100"):
+        distributed(gpus=1, gpu_type="H100")(_noop).submit()
+
+
+def test_gpu_type_without_gpu(gpus):
+    gpus()
+    with pytest.raises(LaunchError, match="no GPU is attached"):
+        distributed(processes=1, gpu_type="H100")(_noop).submit()
+
+
+@pytest.mark.parametrize(
+    "name, want, ok",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100", True),
+        ("NVIDIA H100 80GB HBM3", "h100", True),
+        ("NVIDIA H200", "H200", True),
+        ("NVIDIA H200", "H100", False),
+        ("NVIDIA A10G", "A10", True),
+        ("NVIDIA A100-SXM4-80GB", "A10", False),
+        ("NVIDIA A100-SXM4-80GB", "A100", True),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090", True),
+        ("NVIDIA GeForce RTX 4090", "4080", False),
+    ],
+)
+def test_gpu_type_matching(name, want, ok):
+    assert accelerators.matches_type(name, want) is ok
+
+
+def test_visible_devices_filter():
+    devs = [Accelerator(i, "NVIDIA H100", f"GPU-aaa{i}") for i in range(4)]
+    assert [d.index for d in accelerators._apply_visible(devs, "2,0")] == [2, 0]
+    assert [d.index for d in accelerators._apply_visible(devs, "GPU-aaa3")] == [3]
+    assert accelerators._apply_visible(devs, "") == []
+    assert len(accelerators._apply_visible(devs, None)) == 4
