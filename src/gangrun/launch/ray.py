@@ -576,6 +576,10 @@ class RayGang:
                 ray.wait(refs, num_returns=len(refs), timeout=grace + 15)
             except Exception:
                 pass
+        # The ranks are gone: let the forwarders drain what they wrote before the actors go.
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         cleanup = []
         for a in self.actors.values():
             try:
