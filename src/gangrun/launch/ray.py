@@ -429,48 +429,8 @@ class RayGang:
                     )
 
     def _rank_envs(self) -> dict[int, dict[str, str]]:
-        """Per-node torchrun variables from the bundle -> node mapping."""
-        spec = self.spec
-        n = len(spec.ranks)
-        order: list[str] = []  # node ids in order of their lowest rank: rank 0's node first
-        local: dict[str, list[int]] = {}
-        for r in range(n):
-            node = self.nodes[r]["node_id"]
-            if node not in local:
-                order.append(node)
-                local[node] = []
-            local[node].append(r)
-        master = self.nodes[0]["ip"]
         port = self.ray.get(self.actors[0].free_port.remote(), timeout=60)
-        user_omp = spec.extra.get("user_omp")
-        envs: dict[int, dict[str, str]] = {}
-        for rs in spec.ranks:
-            r = rs.rank
-            info = self.nodes[r]
-            node = info["node_id"]
-            peers = local[node]
-            env = {k: v for k, v in rs.env.items() if k not in _NODE_LOCAL}
-            env.update(
-                {
-                    "LOCAL_RANK": str(peers.index(r)),
-                    "LOCAL_WORLD_SIZE": str(len(peers)),
-                    "NODE_RANK": str(order.index(node)),
-                    "GROUP_RANK": str(order.index(node)),
-                    "GROUP_WORLD_SIZE": str(len(order)),
-                    "MASTER_ADDR": master,
-                    "MASTER_PORT": str(port),
-                    "GANGRUN_RAY_NODE_ID": node,
-                    "GANGRUN_RAY_NODE_IP": info["ip"],
-                }
-            )
-            if not user_omp:
-                env["OMP_NUM_THREADS"] = str(max(1, int(info["cpus"]) // len(peers)))
-            gpus = [g for p in peers for g in self.nodes[p]["gpu_ids"]]
-            if gpus:
-                # All the gang's GPUs on this node, in local-rank order: LOCAL_RANK picks one.
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-            envs[r] = env
-        return envs
+        return node_envs(self.spec, self.nodes, int(port))
 
     # -- watching ------------------------------------------------------------------------
     def _forward(self, rank: int, out_w: int, err_w: int) -> None:
@@ -619,6 +579,52 @@ class RayGang:
             except Exception:
                 pass
         self._logs.clear()
+
+
+def node_envs(
+    spec: GangSpec, nodes: dict[int, dict[str, Any]], port: int
+) -> dict[int, dict[str, str]]:
+    """Each rank's environment from the bundle -> node mapping: ``NODE_RANK`` (rank 0's node
+    is node 0, the others in order of their lowest rank), ``LOCAL_RANK`` within the node,
+    ``MASTER_ADDR`` = rank 0's node, ``CUDA_VISIBLE_DEVICES`` = the gang's GPUs on the node
+    in local-rank order (so ``cuda:LOCAL_RANK`` is the rank's own GPU)."""
+    order: list[str] = []
+    local: dict[str, list[int]] = {}
+    for rs in sorted(spec.ranks, key=lambda r: r.rank):
+        node = nodes[rs.rank]["node_id"]
+        if node not in local:
+            order.append(node)
+            local[node] = []
+        local[node].append(rs.rank)
+    master = nodes[0]["ip"]
+    user_omp = spec.extra.get("user_omp")
+    envs: dict[int, dict[str, str]] = {}
+    for rs in spec.ranks:
+        r = rs.rank
+        info = nodes[r]
+        node = info["node_id"]
+        peers = local[node]
+        env = {k: v for k, v in rs.env.items() if k not in _NODE_LOCAL}
+        env.update(
+            {
+                "LOCAL_RANK": str(peers.index(r)),
+                "LOCAL_WORLD_SIZE": str(len(peers)),
+                "NODE_RANK": str(order.index(node)),
+                "GROUP_RANK": str(order.index(node)),
+                "GROUP_WORLD_SIZE": str(len(order)),
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+                "GANGRUN_RAY_NODE_ID": node,
+                "GANGRUN_RAY_NODE_IP": info["ip"],
+            }
+        )
+        if not user_omp:
+            env["OMP_NUM_THREADS"] = str(max(1, int(info["cpus"]) // len(peers)))
+        gpus = [g for p in peers for g in nodes[p]["gpu_ids"]]
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        envs[r] = env
+    return envs
 
 
 def _write_all(fd: int, data: bytes) -> None:
