@@ -236,6 +236,8 @@ CLI_SCRIPT = """
 import os, sys
 print(f"rank {os.environ['RANK']} on node {os.environ['NODE_RANK']} argv={sys.argv[1:]}")
 if os.environ["RANK"] == "1":
+    import time
+    time.sleep(1.0)  # rank 0 has printed by now: its line must reach the caller
     sys.exit(int(sys.argv[1]))
 """
 
