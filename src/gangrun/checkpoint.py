@@ -63,6 +63,7 @@ def _natural(s: str) -> list[Any]:
 def is_complete(url: str | os.PathLike[str], **storage_options: Any) -> bool:
     """Whether ``url`` is a finished checkpoint (its commit marker exists)."""
     fs, path = _fs(url, storage_options)
+    fs.invalidate_cache(path.rstrip("/"))  # other processes write checkpoints
     return bool(fs.exists(path.rstrip("/") + "/" + MARKER))
 
 
@@ -70,6 +71,7 @@ def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> lis
     """The complete checkpoints directly under ``url``, oldest first (by commit time)."""
     fs, root = _fs(url, storage_options)
     root = root.rstrip("/")
+    fs.invalidate_cache(root)  # listings cached by s3fs & co. miss other processes' saves
     try:
         markers = fs.glob(f"{root}/*/{MARKER}")
     except FileNotFoundError:
@@ -279,5 +281,11 @@ def load(
     import torch.distributed.checkpoint as dcp
 
     reader = _build()["VolumeReader"](url, **(storage_options or {}), **reader_kwargs)
+    if reader.require_complete and not is_complete(url, **(storage_options or {})):
+        # Checked here too so the error is not wrapped in torch's CheckpointException.
+        raise IncompleteCheckpointError(
+            f"{os.fspath(url)} is not a complete checkpoint (no {MARKER} marker: its save did "
+            f"not finish). Use gangrun.checkpoint.latest() to find the last good one."
+        )
     dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
     return state

@@ -281,6 +281,7 @@ def _list_files(source: Any, storage_options: dict[str, Any]) -> tuple[str, list
     fs: Any = None
     for src in sources:
         fs, path = url_to_fs(os.fspath(src), **storage_options)
+        fs.invalidate_cache()  # a listing cached earlier in this process may be stale
         proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         if protocol is None:
             protocol = proto
