@@ -19,11 +19,14 @@ module does not import torch; the classes are created on first use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import time
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
@@ -247,6 +250,14 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # torch warns on every single-process save/load; here that is the intended use.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(
     state: dict[str, Any],
     url: str | os.PathLike[str],
@@ -263,7 +274,8 @@ def save(
     import torch.distributed.checkpoint as dcp
 
     writer = _build()["VolumeWriter"](url, **(storage_options or {}), **writer_kwargs)
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
     return os.fspath(url)
 
 
@@ -287,5 +299,6 @@ def load(
             f"{os.fspath(url)} is not a complete checkpoint (no {MARKER} marker: its save did "
             f"not finish). Use gangrun.checkpoint.latest() to find the last good one."
         )
-    dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=_no_dist())
     return state

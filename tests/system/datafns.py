@@ -103,10 +103,8 @@ def train_part(source: str, ckpt_root: str, batches: int, num_workers: int) -> d
         checkpoint.load(state, last)
     loader = ds.loader(batch_size=2, num_workers=num_workers)
     seen: list[str] = []
-    n = 0
-    for batch in loader:
+    for n, batch in enumerate(loader, 1):
         seen.extend(batch)
-        n += 1
         state["step"] += 1
         if n == batches:
             break
