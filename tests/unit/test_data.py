@@ -146,7 +146,8 @@ def test_cache_evicts_least_recently_used(tmp_path):
     cache = FileCache(tmp_path / "c", limit=3500)
     for i in range(3):
         cache.get(f"k{i}", lambda i=i: bytes([i]) * 1000)
-    time.sleep(0.02)
+    for age, k in enumerate(["k2", "k1", "k0"]):  # all last used minutes ago, k0 first
+        os.utime(cache.path(k), (time.time() - 100 - age, time.time() - 100 - age))
     cache.get("k0", lambda: b"never called")  # k0 becomes the most recently used
     assert cache.hits == 1
     cache.get("k3", lambda: b"3" * 1000)  # over the limit: evict down to 90%
