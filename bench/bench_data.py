@@ -93,7 +93,9 @@ def main() -> None:
             f.write(blob[i % 97 :] + blob[: i % 97])
     paths = sorted(os.path.join(local, n) for n in os.listdir(local))
     n = len(paths)
-    print(f"{n} files x {args.size_kib} KiB = {n * args.size_kib / 1024:.1f} MiB, best of {args.repeat}")
+    print(
+        f"{n} files x {args.size_kib} KiB = {n * args.size_kib / 1024:.1f} MiB, best of {args.repeat}"
+    )
 
     def raw_local() -> int:
         total = 0
@@ -128,7 +130,11 @@ def main() -> None:
         fs.put(local + "/", "bench-data/files/", recursive=True)
         cache_dir = os.path.join(work, "cache")
         ds = VolumeDataset(
-            "s3://bench-data/files/", storage_options=opts, cache_dir=cache_dir, rank=0, world_size=1
+            "s3://bench-data/files/",
+            storage_options=opts,
+            cache_dir=cache_dir,
+            rank=0,
+            world_size=1,
         )
         assert len(ds.files) == n
         keys = [e.path for e in ds.files]

@@ -68,7 +68,9 @@ def train(source: str, ckpt_root: str, epochs: int, every: int, batch_size: int)
                 state = {"model": msd, "optim": osd, "data": ds, "step": step}
                 checkpoint.save(state, f"{ckpt_root}/step-{step:07d}")
                 if rank == 0:
-                    print(f"epoch {epoch} step {step} loss {loss.detach().item():.4f} (checkpointed)")
+                    print(
+                        f"epoch {epoch} step {step} loss {loss.detach().item():.4f} (checkpointed)"
+                    )
     dist.destroy_process_group()
     return {"step": step, "loss": float(loss.detach())}
 

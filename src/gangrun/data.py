@@ -374,6 +374,7 @@ class VolumeDataset(IterableDataset):
         self._cache_pid = -1
         self._fs: Any = None
         self._fs_pid = -1
+        self._keys: dict[str, str] = {}
         self._epoch = 0
         self._resume: dict[str, Any] | None = None  # applied once, by the next iteration
         self._live: dict[str, Any] | None = None  # progress of the current/last iteration
@@ -464,7 +465,12 @@ class VolumeDataset(IterableDataset):
         return self._file_cache() if self.cached else None
 
     def _key(self, entry: FileEntry) -> str:
-        return FileCache.key(self.protocol, entry.path, entry.size, entry.version)
+        key = self._keys.get(entry.path)
+        if key is None:
+            key = self._keys[entry.path] = FileCache.key(
+                self.protocol, entry.path, entry.size, entry.version
+            )
+        return key
 
     def read(self, entry: FileEntry) -> bytes:
         """The bytes of one listed file (through the cache for remote files)."""
@@ -478,11 +484,18 @@ class VolumeDataset(IterableDataset):
             self._key(entry), lambda: bytes(fs.cat_file(entry.path)), entry.size
         )
 
-    def _needs_fetch(self, entry: FileEntry) -> bool:
-        """Worth a background read: not local, not already in the cache."""
+    def _try_hit(self, entry: FileEntry) -> bytes | None:
+        """The bytes if they are at hand (local file or cache hit), else None."""
         if self.protocol in _LOCAL_PROTOCOLS and not self.cached:
-            return False
-        return not (self.cached and self._file_cache().contains(self._key(entry)))
+            with open(entry.path, "rb") as f:
+                return f.read()
+        if not self.cached:
+            return None
+        cache = self._file_cache()
+        data = cache._read_entry(self._key(entry), entry.size)
+        if data is not None:
+            cache.hits += 1
+        return data
 
     def _decoded(self, data: bytes) -> Iterable[Any]:
         if self.decode is None:
@@ -509,20 +522,24 @@ class VolumeDataset(IterableDataset):
             if self.prefetch
             else None
         )
-        ahead: dict[int, Future[bytes] | None] = {}  # None: cached, read it inline
+        ahead: dict[int, Future[bytes]] = {}
         empty_run = 0
         try:
             while limit is None or fpos < limit:
                 if pool is not None:
+                    # Cached files are read inline; after a miss, the next `prefetch` files are
+                    # fetched in the background, several at a time, until hits resume.
                     last = fpos + self.prefetch
                     if limit is not None:
                         last = min(last, limit - 1)
-                    for i in range(fpos, last + 1):
-                        if i not in ahead:
-                            e = files[i % len(files)]
-                            ahead[i] = pool.submit(self.read, e) if self._needs_fetch(e) else None
-                    fut = ahead.pop(fpos)
-                    data = fut.result() if fut is not None else self.read(files[fpos % len(files)])
+                    fut = ahead.pop(fpos, None)
+                    entry = files[fpos % len(files)]
+                    got = fut.result() if fut is not None else self._try_hit(entry)
+                    if got is None or fut is not None:
+                        for i in range(fpos + 1, last + 1):
+                            if i not in ahead:
+                                ahead[i] = pool.submit(self.read, files[i % len(files)])
+                    data = got if got is not None else self.read(entry)
                 else:
                     data = self.read(files[fpos % len(files)])
                 k = 0
@@ -542,8 +559,7 @@ class VolumeDataset(IterableDataset):
         finally:
             if pool is not None:
                 for pending in ahead.values():
-                    if pending is not None:
-                        pending.cancel()
+                    pending.cancel()
                 pool.shutdown(wait=False)
 
     def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
