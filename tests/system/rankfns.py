@@ -128,3 +128,19 @@ def progress_bar() -> int:
         time.sleep(0.01)
     sys.stdout.write("\n")
     return rank()
+
+
+def escaped_grandchild_then_fail(pid_dir: str) -> None:
+    import subprocess
+
+    # a new session: outside the rank's process group, reparented to init when the rank dies
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    with open(os.path.join(pid_dir, f"setsid{rank()}.{p.pid}"), "w"):
+        pass
+    write_pid(pid_dir)
+    if rank() == 1:
+        time.sleep(0.5)
+        os._exit(5)
+    time.sleep(60)

@@ -282,3 +282,15 @@ def test_dropped_handle_keeps_files_until_the_call_ends():
     assert run.wait(60)
     assert [len(r) for r in run.outcome()] == [1 << 20, 1 << 20]
     assert not os.path.exists(run.run_dir)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_escaped_grandchildren_are_swept(tmp_path, start_method):
+    with pytest.raises(DistributedError) as ei:
+        run2(rankfns.escaped_grandchild_then_fail, start_method=start_method).distributed(
+            str(tmp_path)
+        )
+    assert ei.value.rank == 1 and ei.value.exitcode == 5
+    pids = pids_in(tmp_path)
+    assert len(pids) == 4
+    assert not pids_alive(pids)

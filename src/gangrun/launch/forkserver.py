@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from . import GangSpec, RankExit
-from .local import _GANGRUN_PARENT, LocalGang, _signal_tree, sweep
+from .local import _GANGRUN_PARENT, LocalGang, _signal_tree, sweep, ticks_now
 
 PAD_VAR = "GANGRUN_ENVIRON_PAD"
 PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's environment
@@ -696,44 +696,6 @@ def launcher_for(start_method: str) -> Any:
     return LocalGang
 
 
-def _ticks_now() -> int:
-    """Now, in the clock ticks since boot that ``/proc/PID/stat`` start times use."""
-    with open("/proc/uptime", "rb") as f:
-        return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
-
-
-def sweep_fast(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[int]:
-    """Like :func:`gangrun.launch.local.sweep` (kill every process that carries this run's
-    id in its environment), reading ``/proc`` directly and only the environment of processes
-    started since ``since_ticks``: a few ms, not tens."""
-    marker = f"\0GANGRUN_RUN_ID={run_id}\0".encode()
-    me = os.getpid()
-    hit = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:  # pragma: no cover - no procfs
-        return sweep(run_id, 0.0, sig)
-    for name in names:
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            if since_ticks:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[19]) < since_ticks:
-                        continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                data = b"\0" + f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if marker in data:
-            try:
-                os.kill(int(name), sig)
-                hit.append(int(name))
-            except OSError:
-                pass
-    return hit
-
-
 def _wait_gone(pid: int, timeout: float) -> None:
     """Wait until ``pid`` (not our child) has exited, via a pidfd."""
     try:
@@ -764,10 +726,7 @@ class ForkServerGang:
         self._waiters: list[threading.Thread] = []
         self._live_r, self._live_w = os.pipe()
         self.started_at = time.time()
-        try:
-            self._since_ticks = max(0, _ticks_now() - 2 * os.sysconf("SC_CLK_TCK"))
-        except (OSError, ValueError):  # pragma: no cover
-            self._since_ticks = 0
+        self._since_ticks = ticks_now()
         self._logs: list[Any] = []
         self._fallback: LocalGang | None = None
         self.server_pid: int | None = None
@@ -855,7 +814,7 @@ class ForkServerGang:
         """Forget ranks of a failed start (nothing was forked, or they die with the server)."""
         if self._pids:
             _signal_tree(list(self._pids.values()), signal.SIGKILL)
-            sweep_fast(self.spec.run_id, self._since_ticks)
+            sweep(self.spec.run_id, self._since_ticks)
         self._pids.clear()
 
     def _start_fallback(self, exc: BaseException) -> None:
@@ -943,7 +902,7 @@ class ForkServerGang:
             return
         _signal_tree(list(self._pids.values()), signal.SIGKILL)
         self._wait_all(time.monotonic() + 5.0)
-        sweep_fast(self.spec.run_id, self._since_ticks)
+        sweep(self.spec.run_id, self._since_ticks)
 
     def close(self) -> None:
         if self._fallback is not None:

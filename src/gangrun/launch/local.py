@@ -52,27 +52,47 @@ def _signal_tree(pids: list[int], sig: int) -> None:
             pass
 
 
-def sweep(run_id: str, since: float, sig: int = signal.SIGKILL) -> list[int]:
-    """Kill any process still carrying this run's id in its environment (a descendant that
-    left its rank's process group, e.g. with ``setsid``). Returns the pids it signalled."""
+def ticks_now(slack_s: float = 2.0) -> int:
+    """Now minus ``slack_s``, in the clock ticks since boot that ``/proc/PID/stat`` uses for
+    process start times (0 when unknown: then :func:`sweep` looks at every process)."""
     try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        return []
+        with open("/proc/uptime", "rb") as f:
+            up = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, int((up - slack_s) * os.sysconf("SC_CLK_TCK")))
+
+
+def sweep(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[int]:
+    """Kill any process still carrying this run's id in its environment (a descendant that
+    left its rank's process group, e.g. with ``setsid``). Reads ``/proc`` directly and only
+    the environment of processes started since ``since_ticks`` (see :func:`ticks_now`): a
+    few ms. Returns the pids it signalled."""
+    marker = f"\0GANGRUN_RUN_ID={run_id}\0".encode()
     me = os.getpid()
-    uid = os.getuid()
-    hit = []
-    for p in psutil.process_iter(["create_time", "uids"]):
-        try:
-            if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
-                continue
-            if p.info["create_time"] is None or p.info["create_time"] < since - 1.0:
-                continue
-            if p.environ().get("GANGRUN_RUN_ID") == run_id:
-                p.send_signal(sig)
-                hit.append(p.pid)
-        except Exception:
+    hit: list[int] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # pragma: no cover - no procfs
+        return hit
+    for name in names:
+        if not name.isdigit() or int(name) == me:
             continue
+        try:
+            if since_ticks:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[19]) < since_ticks:
+                        continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                data = b"\0" + f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if marker in data:
+            try:
+                os.kill(int(name), sig)
+                hit.append(int(name))
+            except OSError:
+                pass
     return hit
 
 
@@ -89,6 +109,7 @@ class LocalGang:
         self._waiters: list[threading.Thread] = []
         self._live_r, self._live_w = os.pipe()
         self.started_at = time.time()
+        self._since_ticks = ticks_now()
         self._logs: list[Any] = []
 
     def start(self) -> None:
@@ -171,7 +192,7 @@ class LocalGang:
                 p.wait(5.0)
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 pass
-        sweep(self.spec.run_id, self.started_at)
+        sweep(self.spec.run_id, self._since_ticks)
 
     def close(self) -> None:
         if self._live_w != -1:

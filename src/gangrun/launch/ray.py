@@ -131,6 +131,9 @@ class RankActor:
         self.proc: subprocess.Popen | None = None
         self.dir = ""
         self.started_at = time.time()
+        from gangrun.launch.local import ticks_now
+
+        self._since_ticks = ticks_now()
         self._cv = threading.Condition()
         self._buf: dict[str, list[bytes]] = {"out": [], "err": []}
         self._open = 0
@@ -288,7 +291,7 @@ class RankActor:
                 p.wait(5.0)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
-        sweep(self.run_id, self.started_at)
+        sweep(self.run_id, self._since_ticks)
         if self._live_w != -1:
             os.close(self._live_w)
             self._live_w = -1
