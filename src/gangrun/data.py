@@ -71,6 +71,40 @@ def parse_size(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_fd(fd: int, size: int | None) -> bytes:
+    """The rest of open file ``fd``; with its expected ``size``, in one ``read`` call (asking
+    for one byte more, so a longer file is noticed without another call)."""
+    if not size:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    data = os.read(fd, size + 1)
+    if len(data) < size:  # reads stop at ~2 GiB, or the file is shorter than listed
+        chunks = [data]
+        got = len(data)
+        while got <= size and (chunk := os.read(fd, size + 1 - got)):
+            chunks.append(chunk)
+            got += len(chunk)
+        data = b"".join(chunks)
+    return data
+
+
+def _read_local(entry: FileEntry) -> bytes:
+    """A local file's bytes, in one ``read`` call when its size is as listed."""
+    fd = os.open(entry.path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        data = _read_fd(fd, entry.size)
+        if len(data) > entry.size:  # grew since it was listed
+            data += _read_fd(fd, None)
+    finally:
+        os.close(fd)
+    return data
+
+
 def default_cache_dir() -> str:
     """``$GANGRUN_CACHE_DIR``, else ``~/.cache/gangrun/data`` (shared by all ranks of a node)."""
     env = os.environ.get("GANGRUN_CACHE_DIR")
@@ -121,6 +155,7 @@ class FileCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._touched: dict[str, float] = {}  # key -> when this process last moved its mtime
 
     @staticmethod
     def key(*parts: object) -> str:
@@ -150,18 +185,23 @@ class FileCache:
             os.close(fd)  # closing releases the lock
 
     def _read_entry(self, key: str, size: int | None) -> bytes | None:
-        p = self.path(key)
+        """The entry's bytes if it is cached whole, else None (the cache-hit path: open, one
+        ``read`` of the known size, close; the LRU clock is moved once per 30 s per process)."""
         try:
-            with open(p, "rb", buffering=0) as f:  # an open file survives a concurrent eviction
-                data = f.readall()
-                mtime = os.fstat(f.fileno()).st_mtime
+            fd = os.open(f"{self._data}/{key[:2]}/{key}", os.O_RDONLY | _O_CLOEXEC)
         except FileNotFoundError:
             return None
-        if size is not None and len(data) != size:
-            return None
-        if time.time() - mtime > 30:  # the LRU clock, at 30 s resolution (one syscall less)
-            with contextlib.suppress(OSError):
-                os.utime(p)
+        try:  # an open file survives a concurrent eviction
+            data = _read_fd(fd, size)
+            if size is not None and len(data) != size:
+                return None
+            now = time.monotonic()
+            if now - self._touched.get(key, -3600.0) > 30:  # the LRU clock, 30 s resolution
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+                self._touched[key] = now
+        finally:
+            os.close(fd)
         return data
 
     def contains(self, key: str) -> bool:
@@ -475,8 +515,7 @@ class VolumeDataset(IterableDataset):
     def read(self, entry: FileEntry) -> bytes:
         """The bytes of one listed file (through the cache for remote files)."""
         if self.protocol in _LOCAL_PROTOCOLS and not self.cached:
-            with open(entry.path, "rb") as f:
-                return f.read()
+            return _read_local(entry)
         fs = self._filesystem()
         if not self.cached:
             return bytes(fs.cat_file(entry.path))
@@ -484,18 +523,22 @@ class VolumeDataset(IterableDataset):
             self._key(entry), lambda: bytes(fs.cat_file(entry.path)), entry.size
         )
 
-    def _try_hit(self, entry: FileEntry) -> bytes | None:
-        """The bytes if they are at hand (local file or cache hit), else None."""
-        if self.protocol in _LOCAL_PROTOCOLS and not self.cached:
-            with open(entry.path, "rb") as f:
-                return f.read()
+    def _hit_reader(self) -> Callable[[FileEntry], bytes | None] | None:
+        """``f(entry)`` -> the bytes if they are at hand (local file or cache hit), else None;
+        None when nothing is ever at hand (uncached remote files)."""
         if not self.cached:
-            return None
+            return _read_local if self.protocol in _LOCAL_PROTOCOLS else None
         cache = self._file_cache()
-        data = cache._read_entry(self._key(entry), entry.size)
-        if data is not None:
-            cache.hits += 1
-        return data
+        read_entry = cache._read_entry
+        key = self._key
+
+        def hit(entry: FileEntry) -> bytes | None:
+            data = read_entry(key(entry), entry.size)
+            if data is not None:
+                cache.hits += 1
+            return data
+
+        return hit
 
     def _decoded(self, data: bytes) -> Iterable[Any]:
         if self.decode is None:
@@ -516,43 +559,54 @@ class VolumeDataset(IterableDataset):
             if quota:
                 raise ValueError("samples_per_rank > 0 but this rank has no files to read")
             return
-        limit = len(files) if quota is None else None
+        n = len(files)
+        limit = n if quota is None else None
+        hit = self._hit_reader()
+        read = self.read
+        decode = self.decode
+        prefetch = self.prefetch
         pool = (
-            ThreadPoolExecutor(min(self.prefetch, 4), thread_name_prefix="gangrun-prefetch")
-            if self.prefetch
+            ThreadPoolExecutor(min(prefetch, 16), thread_name_prefix="gangrun-prefetch")
+            if prefetch and hit is not _read_local
             else None
         )
         ahead: dict[int, Future[bytes]] = {}
         empty_run = 0
         try:
             while limit is None or fpos < limit:
-                if pool is not None:
-                    # Cached files are read inline; after a miss, the next `prefetch` files are
-                    # fetched in the background, several at a time, until hits resume.
-                    last = fpos + self.prefetch
-                    if limit is not None:
-                        last = min(last, limit - 1)
-                    fut = ahead.pop(fpos, None)
-                    entry = files[fpos % len(files)]
-                    got = fut.result() if fut is not None else self._try_hit(entry)
-                    if got is None or fut is not None:
-                        for i in range(fpos + 1, last + 1):
-                            if i not in ahead:
-                                ahead[i] = pool.submit(self.read, files[i % len(files)])
-                    data = got if got is not None else self.read(entry)
+                # Files at hand (cache hits, local files) are read inline; after a miss the
+                # next `prefetch` files are fetched in the background, several at a time,
+                # and the window is kept full until hits resume.
+                fut = ahead.pop(fpos, None) if ahead else None
+                if fut is not None:
+                    data: bytes | None = fut.result()
                 else:
-                    data = self.read(files[fpos % len(files)])
-                k = 0
-                for sample in self._decoded(data):
-                    k += 1
-                    if k <= skip:
-                        continue
+                    data = hit(files[fpos % n]) if hit is not None else None
+                if pool is not None and (fut is not None or data is None):
+                    last = fpos + prefetch if limit is None else min(fpos + prefetch, limit - 1)
+                    for i in range(fpos + 1, last + 1):
+                        if i not in ahead:
+                            ahead[i] = pool.submit(read, files[i % n])
+                if data is None:
+                    data = read(files[fpos % n])
+                if decode is None and not skip:  # the common case, without a per-sample loop
+                    k = 1
                     yielded += 1
-                    yield sample, (fpos, k, yielded)
+                    yield data, (fpos, 1, yielded)
                     if quota is not None and yielded >= quota:
                         return
+                else:
+                    k = 0
+                    for sample in self._decoded(data):
+                        k += 1
+                        if k <= skip:
+                            continue
+                        yielded += 1
+                        yield sample, (fpos, k, yielded)
+                        if quota is not None and yielded >= quota:
+                            return
                 empty_run = empty_run + 1 if k == 0 else 0
-                if quota is not None and empty_run > len(files):
+                if quota is not None and empty_run > n:
                     raise ValueError("samples_per_rank: none of this rank's files holds a sample")
                 fpos += 1
                 skip = 0
@@ -583,12 +637,17 @@ class VolumeDataset(IterableDataset):
         track = info is None and not tagged  # direct iteration in this process
         if track:
             self._live = self._progress_template(world, 1, start if wstart else None)
-        for sample, progress in self._stream(files, quota, wstart):
-            if tagged:
+        stream = self._stream(files, quota, wstart)
+        if tagged:
+            for sample, progress in stream:
                 yield sample, (wid, progress)
-            else:
-                if track:
-                    self._live["workers"][0] = list(progress)  # type: ignore[index]
+        elif track:
+            workers = self._live["workers"]  # type: ignore[index]
+            for sample, progress in stream:
+                workers[0] = progress  # a tuple; state_dict() stores it as a JSON list
+                yield sample
+        else:
+            for sample, _ in stream:
                 yield sample
 
     def _progress_template(
