@@ -43,6 +43,7 @@ import random
 import re
 import secrets
 import shutil
+import struct
 import time
 import types
 import warnings
@@ -72,6 +73,7 @@ def parse_size(value: int | str | None) -> int | None:
 
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)  # Linux
 
 
 def _read_fd(fd: int, size: int | None) -> bytes:
@@ -146,6 +148,7 @@ class FileCache:
         self.directory = os.path.abspath(os.fspath(directory or default_cache_dir()))
         self._data = os.path.join(self.directory, "data")
         self._locks = os.path.join(self.directory, "locks")
+        self._keylocks = os.path.join(self._locks, "entries")
         os.makedirs(self._data, exist_ok=True)
         os.makedirs(self._locks, exist_ok=True)
         lim = parse_size(limit)
@@ -162,7 +165,7 @@ class FileCache:
         return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:40]
 
     def path(self, key: str) -> str:
-        return os.path.join(self._data, key[:2], key)
+        return os.path.join(self._data, key)
 
     def stats(self) -> dict[str, int]:
         """This process's counters, plus the bytes and entries on disk now."""
@@ -184,11 +187,31 @@ class FileCache:
         finally:
             os.close(fd)  # closing releases the lock
 
+    @contextlib.contextmanager
+    def _key_lock(self, key: str) -> Iterator[None]:
+        """Exclusive, across processes and threads, for filling entry ``key``.
+
+        On Linux: a one-byte open-file-description lock at an offset hashed from the key, in
+        one shared file (no file is created per entry: creating files is the slow part of a
+        fill on some disks). Elsewhere: ``flock`` on a lock file per entry.
+        """
+        if _OFD_SETLKW is None:
+            with self._flock(key + ".lock"):
+                yield
+            return
+        offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+        fd = os.open(self._keylocks, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+        try:  # a lock of the open file description: threads with their own fd exclude too
+            fcntl.fcntl(fd, _OFD_SETLKW, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, offset, 1, 0))
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
     def _read_entry(self, key: str, size: int | None) -> bytes | None:
         """The entry's bytes if it is cached whole, else None (the cache-hit path: open, one
         ``read`` of the known size, close; the LRU clock is moved once per 30 s per process)."""
         try:
-            fd = os.open(f"{self._data}/{key[:2]}/{key}", os.O_RDONLY | _O_CLOEXEC)
+            fd = os.open(f"{self._data}/{key}", os.O_RDONLY | _O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:  # an open file survives a concurrent eviction
@@ -213,7 +236,7 @@ class FileCache:
         if data is not None:
             self.hits += 1
             return data
-        with self._flock(key + ".lock"):
+        with self._key_lock(key):
             data = self._read_entry(key, size)
             if data is not None:  # another rank/worker filled it while we waited
                 self.hits += 1
@@ -226,7 +249,6 @@ class FileCache:
 
     def _store(self, key: str, data: bytes) -> None:
         final = self.path(key)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             with open(tmp, "wb", buffering=0) as f:
@@ -252,10 +274,14 @@ class FileCache:
 
     def _entries(self) -> Iterator[tuple[str, int, float]]:
         now = time.time()
-        for sub in os.scandir(self._data):
-            if not sub.is_dir():
-                continue
-            for e in os.scandir(sub.path):
+        # Entries lie flat in data/ (one directory: creating many small directories is slow
+        # on some disks); entries in subdirectories, from older versions, are counted and
+        # evicted like the others.
+        legacy = [sub.path for sub in os.scandir(self._data) if sub.is_dir()]
+        for folder in [self._data, *legacy]:
+            for e in os.scandir(folder):
+                if e.is_dir():
+                    continue
                 try:
                     st = e.stat()
                 except FileNotFoundError:
