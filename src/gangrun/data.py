@@ -133,10 +133,13 @@ class FileCache:
     """A directory of cached files shared by every process of a node.
 
     Entries are content-addressed by (protocol, path, size, version), so a changed remote file
-    is a new entry. A hit reads the entry and refreshes its mtime (the LRU clock). A miss takes
-    an exclusive ``fcntl`` lock on that entry, checks again (another process may have filled it
-    meanwhile), downloads, writes a temporary file and renames it into place, so readers never
-    see a partial file. The total size is kept in a small ledger updated under a global lock;
+    is a new entry; they lie flat in ``data/``. A hit is open, one ``read`` of the known size,
+    close; each process moves an entry's mtime (the LRU clock) at most once per 30 s. A miss
+    takes an exclusive lock on that entry (Linux: a byte-range lock in one shared file, so no
+    lock file is created per entry; elsewhere a ``flock`` file per entry), checks again
+    (another process or thread may have filled it meanwhile), downloads, writes a temporary
+    file and renames it into place, so readers never see a partial file. The total size is
+    kept in a small ledger updated under a global lock;
     when an entry would push it over ``limit`` the least recently used entries are evicted down
     to 90% of the limit (a full rescan, which also corrects the ledger). A file larger than the
     limit is returned but not kept.
