@@ -1,8 +1,9 @@
 """VolumeDataset throughput against raw reads of the same files.
 
-    python bench/bench_data.py [--files 300] [--size-kib 128] [--repeat 3]
+    python bench/bench_data.py [--files 300] [--size-kib 128] [--repeat 7]
 
-Measures, for a directory of a few hundred files (best of ``--repeat``):
+Measures, for a directory of a few hundred files (medians of ``--repeat`` runs,
+raw and dataset alternating, after one untimed warm-up of each):
 
 1. local directory: a VolumeDataset epoch vs ``open().read()`` of every file in order;
 2. loopback S3 (moto server in its own process, s3fs client), cold cache: the first
@@ -20,6 +21,7 @@ import argparse
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,16 +58,35 @@ def _start_moto(port: int) -> subprocess.Popen:
     return proc
 
 
-def _best(fn: Callable[[], int], repeat: int, before: Callable[[], None] | None = None):
-    best = float("inf")
+def _compare(
+    raw: Callable[[], int],
+    dataset: Callable[[], int],
+    repeat: int,
+    before: Callable[[], None] | None = None,
+) -> tuple[float, float, int]:
+    """Median seconds of ``raw`` and ``dataset``, run alternately ``repeat`` times each (so both
+    see the same machine load and page cache state); ``before`` runs untimed before each
+    dataset run. Returns (raw seconds, dataset seconds, bytes)."""
+    t_raw: list[float] = []
+    t_ds: list[float] = []
     nbytes = 0
     for _ in range(repeat):
+        t = time.perf_counter()
+        b_raw = raw()
+        t_raw.append(time.perf_counter() - t)
         if before is not None:
             before()
         t = time.perf_counter()
-        nbytes = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, nbytes
+        nbytes = dataset()
+        t_ds.append(time.perf_counter() - t)
+        assert nbytes == b_raw, (nbytes, b_raw)
+    return statistics.median(t_raw), statistics.median(t_ds), nbytes
+
+
+def _timed(fn: Callable[[], int]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _row(name: str, seconds: float, samples: int, nbytes: int) -> None:
@@ -79,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--files", type=int, default=300)
     ap.add_argument("--size-kib", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
 
     from gangrun.data import VolumeDataset
@@ -94,7 +115,7 @@ def main() -> None:
     paths = sorted(os.path.join(local, n) for n in os.listdir(local))
     n = len(paths)
     print(
-        f"{n} files x {args.size_kib} KiB = {n * args.size_kib / 1024:.1f} MiB, best of {args.repeat}"
+        f"{n} files x {args.size_kib} KiB = {n * args.size_kib / 1024:.1f} MiB, median of {args.repeat}, alternating raw and dataset runs"
     )
 
     def raw_local() -> int:
@@ -104,6 +125,18 @@ def main() -> None:
                 total += len(f.read())
         return total
 
+    sizes = [os.path.getsize(p) for p in paths]  # known from the listing, as in the dataset
+
+    def raw_os_read() -> int:  # the syscalls a cache hit makes: open, one read, close
+        total = 0
+        for p, size in zip(paths, sizes, strict=True):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                total += len(os.read(fd, size + 1))
+            finally:
+                os.close(fd)
+        return total
+
     ds_local = VolumeDataset(local, rank=0, world_size=1)
 
     def epoch(ds: VolumeDataset) -> Callable[[], int]:
@@ -111,9 +144,9 @@ def main() -> None:
 
     ratios = {}
     print("local directory")
-    t_raw, b = _best(raw_local, args.repeat)
+    raw_local(), epoch(ds_local)()  # warm the page cache and the code paths
+    t_raw, t_ds, b = _compare(raw_local, epoch(ds_local), args.repeat)
     _row("raw open().read()", t_raw, n, b)
-    t_ds, b = _best(epoch(ds_local), args.repeat)
     _row("VolumeDataset epoch", t_ds, n, b)
     ratios["local dataset / raw"] = t_raw / t_ds
 
@@ -145,20 +178,24 @@ def main() -> None:
         def clear_cache() -> None:
             shutil.rmtree(cache_dir, ignore_errors=True)
             ds._cache = None
+            # Let the disk finish the deletion (and the last run's writes) before the timed
+            # run, so that it does not pay for its predecessor's clean-up.
+            os.sync()
 
         print("loopback S3 (moto), first epoch, cold cache")
         raw_s3()  # warm the server and the connection pool
-        t_raw_s3, b = _best(raw_s3, args.repeat)
+        t_raw_s3, t_cold, b = _compare(raw_s3, epoch(ds), args.repeat, before=clear_cache)
         _row("raw s3fs cat_file, sequential", t_raw_s3, n, b)
-        t_cold, b = _best(epoch(ds), args.repeat, before=clear_cache)
         _row("VolumeDataset epoch (fills cache)", t_cold, n, b)
         ratios["S3 first epoch / raw fsspec"] = t_raw_s3 / t_cold
 
         print("cached epoch")
-        t_raw2, b = _best(raw_local, args.repeat)
+        epoch(ds)()  # the cache is full from the last cold run; warm its page cache
+        t_raw2, t_warm, b = _compare(raw_local, epoch(ds), args.repeat)
         _row("raw open().read() of same bytes", t_raw2, n, b)
-        t_warm, b = _best(epoch(ds), args.repeat)
         _row("VolumeDataset epoch from cache", t_warm, n, b)
+        t_os = statistics.median(_timed(raw_os_read) for _ in range(args.repeat))
+        _row("(for reference: raw os.read, 1 call)", t_os, n, b)
         ratios["cached epoch / raw sequential"] = t_raw2 / t_warm
         assert ds.cache is not None and ds.cache.hits >= n
     finally:

@@ -43,6 +43,7 @@ import random
 import re
 import secrets
 import shutil
+import struct
 import time
 import types
 import warnings
@@ -71,6 +72,41 @@ def parse_size(value: int | str | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)  # Linux
+
+
+def _read_fd(fd: int, size: int | None) -> bytes:
+    """The rest of open file ``fd``; with its expected ``size``, in one ``read`` call (asking
+    for one byte more, so a longer file is noticed without another call)."""
+    if not size:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    data = os.read(fd, size + 1)
+    if len(data) < size:  # reads stop at ~2 GiB, or the file is shorter than listed
+        chunks = [data]
+        got = len(data)
+        while got <= size and (chunk := os.read(fd, size + 1 - got)):
+            chunks.append(chunk)
+            got += len(chunk)
+        data = b"".join(chunks)
+    return data
+
+
+def _read_local(entry: FileEntry) -> bytes:
+    """A local file's bytes, in one ``read`` call when its size is as listed."""
+    fd = os.open(entry.path, os.O_RDONLY | _O_CLOEXEC)
+    try:
+        data = _read_fd(fd, entry.size)
+        if len(data) > entry.size:  # grew since it was listed
+            data += _read_fd(fd, None)
+    finally:
+        os.close(fd)
+    return data
+
+
 def default_cache_dir() -> str:
     """``$GANGRUN_CACHE_DIR``, else ``~/.cache/gangrun/data`` (shared by all ranks of a node)."""
     env = os.environ.get("GANGRUN_CACHE_DIR")
@@ -97,10 +133,13 @@ class FileCache:
     """A directory of cached files shared by every process of a node.
 
     Entries are content-addressed by (protocol, path, size, version), so a changed remote file
-    is a new entry. A hit reads the entry and refreshes its mtime (the LRU clock). A miss takes
-    an exclusive ``fcntl`` lock on that entry, checks again (another process may have filled it
-    meanwhile), downloads, writes a temporary file and renames it into place, so readers never
-    see a partial file. The total size is kept in a small ledger updated under a global lock;
+    is a new entry; they lie flat in ``data/``. A hit is open, one ``read`` of the known size,
+    close; each process moves an entry's mtime (the LRU clock) at most once per 30 s. A miss
+    takes an exclusive lock on that entry (Linux: a byte-range lock in one shared file, so no
+    lock file is created per entry; elsewhere a ``flock`` file per entry), checks again
+    (another process or thread may have filled it meanwhile), downloads, writes a temporary
+    file and renames it into place, so readers never see a partial file. The total size is
+    kept in a small ledger updated under a global lock;
     when an entry would push it over ``limit`` the least recently used entries are evicted down
     to 90% of the limit (a full rescan, which also corrects the ledger). A file larger than the
     limit is returned but not kept.
@@ -112,6 +151,7 @@ class FileCache:
         self.directory = os.path.abspath(os.fspath(directory or default_cache_dir()))
         self._data = os.path.join(self.directory, "data")
         self._locks = os.path.join(self.directory, "locks")
+        self._keylocks = os.path.join(self._locks, "entries")
         os.makedirs(self._data, exist_ok=True)
         os.makedirs(self._locks, exist_ok=True)
         lim = parse_size(limit)
@@ -121,13 +161,14 @@ class FileCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._touched: dict[str, float] = {}  # key -> when this process last moved its mtime
 
     @staticmethod
     def key(*parts: object) -> str:
         return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:40]
 
     def path(self, key: str) -> str:
-        return os.path.join(self._data, key[:2], key)
+        return os.path.join(self._data, key)
 
     def stats(self) -> dict[str, int]:
         """This process's counters, plus the bytes and entries on disk now."""
@@ -149,19 +190,44 @@ class FileCache:
         finally:
             os.close(fd)  # closing releases the lock
 
+    @contextlib.contextmanager
+    def _key_lock(self, key: str) -> Iterator[None]:
+        """Exclusive, across processes and threads, for filling entry ``key``.
+
+        On Linux: a one-byte open-file-description lock at an offset hashed from the key, in
+        one shared file (no file is created per entry: creating files is the slow part of a
+        fill on some disks). Elsewhere: ``flock`` on a lock file per entry.
+        """
+        if _OFD_SETLKW is None:
+            with self._flock(key + ".lock"):
+                yield
+            return
+        offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+        fd = os.open(self._keylocks, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+        try:  # a lock of the open file description: threads with their own fd exclude too
+            fcntl.fcntl(fd, _OFD_SETLKW, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, offset, 1, 0))
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
     def _read_entry(self, key: str, size: int | None) -> bytes | None:
-        p = self.path(key)
+        """The entry's bytes if it is cached whole, else None (the cache-hit path: open, one
+        ``read`` of the known size, close; the LRU clock is moved once per 30 s per process)."""
         try:
-            with open(p, "rb", buffering=0) as f:  # an open file survives a concurrent eviction
-                data = f.readall()
-                mtime = os.fstat(f.fileno()).st_mtime
+            fd = os.open(f"{self._data}/{key}", os.O_RDONLY | _O_CLOEXEC)
         except FileNotFoundError:
             return None
-        if size is not None and len(data) != size:
-            return None
-        if time.time() - mtime > 30:  # the LRU clock, at 30 s resolution (one syscall less)
-            with contextlib.suppress(OSError):
-                os.utime(p)
+        try:  # an open file survives a concurrent eviction
+            data = _read_fd(fd, size)
+            if size is not None and len(data) != size:
+                return None
+            now = time.monotonic()
+            if now - self._touched.get(key, -3600.0) > 30:  # the LRU clock, 30 s resolution
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+                self._touched[key] = now
+        finally:
+            os.close(fd)
         return data
 
     def contains(self, key: str) -> bool:
@@ -173,7 +239,7 @@ class FileCache:
         if data is not None:
             self.hits += 1
             return data
-        with self._flock(key + ".lock"):
+        with self._key_lock(key):
             data = self._read_entry(key, size)
             if data is not None:  # another rank/worker filled it while we waited
                 self.hits += 1
@@ -186,7 +252,6 @@ class FileCache:
 
     def _store(self, key: str, data: bytes) -> None:
         final = self.path(key)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             with open(tmp, "wb", buffering=0) as f:
@@ -212,10 +277,14 @@ class FileCache:
 
     def _entries(self) -> Iterator[tuple[str, int, float]]:
         now = time.time()
-        for sub in os.scandir(self._data):
-            if not sub.is_dir():
-                continue
-            for e in os.scandir(sub.path):
+        # Entries lie flat in data/ (one directory: creating many small directories is slow
+        # on some disks); entries in subdirectories, from older versions, are counted and
+        # evicted like the others.
+        legacy = [sub.path for sub in os.scandir(self._data) if sub.is_dir()]
+        for folder in [self._data, *legacy]:
+            for e in os.scandir(folder):
+                if e.is_dir():
+                    continue
                 try:
                     st = e.stat()
                 except FileNotFoundError:
@@ -475,8 +544,7 @@ class VolumeDataset(IterableDataset):
     def read(self, entry: FileEntry) -> bytes:
         """The bytes of one listed file (through the cache for remote files)."""
         if self.protocol in _LOCAL_PROTOCOLS and not self.cached:
-            with open(entry.path, "rb") as f:
-                return f.read()
+            return _read_local(entry)
         fs = self._filesystem()
         if not self.cached:
             return bytes(fs.cat_file(entry.path))
@@ -484,18 +552,22 @@ class VolumeDataset(IterableDataset):
             self._key(entry), lambda: bytes(fs.cat_file(entry.path)), entry.size
         )
 
-    def _try_hit(self, entry: FileEntry) -> bytes | None:
-        """The bytes if they are at hand (local file or cache hit), else None."""
-        if self.protocol in _LOCAL_PROTOCOLS and not self.cached:
-            with open(entry.path, "rb") as f:
-                return f.read()
+    def _hit_reader(self) -> Callable[[FileEntry], bytes | None] | None:
+        """``f(entry)`` -> the bytes if they are at hand (local file or cache hit), else None;
+        None when nothing is ever at hand (uncached remote files)."""
         if not self.cached:
-            return None
+            return _read_local if self.protocol in _LOCAL_PROTOCOLS else None
         cache = self._file_cache()
-        data = cache._read_entry(self._key(entry), entry.size)
-        if data is not None:
-            cache.hits += 1
-        return data
+        read_entry = cache._read_entry
+        key = self._key
+
+        def hit(entry: FileEntry) -> bytes | None:
+            data = read_entry(key(entry), entry.size)
+            if data is not None:
+                cache.hits += 1
+            return data
+
+        return hit
 
     def _decoded(self, data: bytes) -> Iterable[Any]:
         if self.decode is None:
@@ -516,43 +588,54 @@ class VolumeDataset(IterableDataset):
             if quota:
                 raise ValueError("samples_per_rank > 0 but this rank has no files to read")
             return
-        limit = len(files) if quota is None else None
+        n = len(files)
+        limit = n if quota is None else None
+        hit = self._hit_reader()
+        read = self.read
+        decode = self.decode
+        prefetch = self.prefetch
         pool = (
-            ThreadPoolExecutor(min(self.prefetch, 4), thread_name_prefix="gangrun-prefetch")
-            if self.prefetch
+            ThreadPoolExecutor(min(prefetch, 16), thread_name_prefix="gangrun-prefetch")
+            if prefetch and hit is not _read_local
             else None
         )
         ahead: dict[int, Future[bytes]] = {}
         empty_run = 0
         try:
             while limit is None or fpos < limit:
-                if pool is not None:
-                    # Cached files are read inline; after a miss, the next `prefetch` files are
-                    # fetched in the background, several at a time, until hits resume.
-                    last = fpos + self.prefetch
-                    if limit is not None:
-                        last = min(last, limit - 1)
-                    fut = ahead.pop(fpos, None)
-                    entry = files[fpos % len(files)]
-                    got = fut.result() if fut is not None else self._try_hit(entry)
-                    if got is None or fut is not None:
-                        for i in range(fpos + 1, last + 1):
-                            if i not in ahead:
-                                ahead[i] = pool.submit(self.read, files[i % len(files)])
-                    data = got if got is not None else self.read(entry)
+                # Files at hand (cache hits, local files) are read inline; after a miss the
+                # next `prefetch` files are fetched in the background, several at a time,
+                # and the window is kept full until hits resume.
+                fut = ahead.pop(fpos, None) if ahead else None
+                if fut is not None:
+                    data: bytes | None = fut.result()
                 else:
-                    data = self.read(files[fpos % len(files)])
-                k = 0
-                for sample in self._decoded(data):
-                    k += 1
-                    if k <= skip:
-                        continue
+                    data = hit(files[fpos % n]) if hit is not None else None
+                if pool is not None and (fut is not None or data is None):
+                    last = fpos + prefetch if limit is None else min(fpos + prefetch, limit - 1)
+                    for i in range(fpos + 1, last + 1):
+                        if i not in ahead:
+                            ahead[i] = pool.submit(read, files[i % n])
+                if data is None:
+                    data = read(files[fpos % n])
+                if decode is None and not skip:  # the common case, without a per-sample loop
+                    k = 1
                     yielded += 1
-                    yield sample, (fpos, k, yielded)
+                    yield data, (fpos, 1, yielded)
                     if quota is not None and yielded >= quota:
                         return
+                else:
+                    k = 0
+                    for sample in self._decoded(data):
+                        k += 1
+                        if k <= skip:
+                            continue
+                        yielded += 1
+                        yield sample, (fpos, k, yielded)
+                        if quota is not None and yielded >= quota:
+                            return
                 empty_run = empty_run + 1 if k == 0 else 0
-                if quota is not None and empty_run > len(files):
+                if quota is not None and empty_run > n:
                     raise ValueError("samples_per_rank: none of this rank's files holds a sample")
                 fpos += 1
                 skip = 0
@@ -583,12 +666,17 @@ class VolumeDataset(IterableDataset):
         track = info is None and not tagged  # direct iteration in this process
         if track:
             self._live = self._progress_template(world, 1, start if wstart else None)
-        for sample, progress in self._stream(files, quota, wstart):
-            if tagged:
+        stream = self._stream(files, quota, wstart)
+        if tagged:
+            for sample, progress in stream:
                 yield sample, (wid, progress)
-            else:
-                if track:
-                    self._live["workers"][0] = list(progress)  # type: ignore[index]
+        elif track:
+            workers = self._live["workers"]  # type: ignore[index]
+            for sample, progress in stream:
+                workers[0] = progress  # a tuple; state_dict() stores it as a JSON list
+                yield sample
+        else:
+            for sample, _ in stream:
                 yield sample
 
     def _progress_template(

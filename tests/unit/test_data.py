@@ -207,6 +207,42 @@ def test_concurrent_fills_download_once(tmp_path):
     ]
 
 
+def test_concurrent_fills_in_threads_download_once(tmp_path):
+    import threading
+
+    cache = FileCache(tmp_path / "c", limit=10**6)
+    fetches = []
+
+    def fetch() -> bytes:
+        fetches.append(1)
+        time.sleep(0.2)
+        return b"t" * 500
+
+    out: list[bytes] = []
+    threads = [
+        threading.Thread(target=lambda: out.append(cache.get("k", fetch, size=500)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [b"t" * 500] * 4 and len(fetches) == 1
+    assert cache.hits == 3 and cache.misses == 1
+
+
+def test_cache_counts_and_evicts_entries_of_the_old_layout(tmp_path):
+    cache = FileCache(tmp_path / "c", limit=2500)
+    old = tmp_path / "c" / "data" / "ab" / ("ab" + "0" * 38)  # data/<key[:2]>/<key>
+    old.parent.mkdir()
+    old.write_bytes(b"o" * 1000)
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    assert cache.stats()["entries"] == 1
+    cache.get("new1", lambda: b"1" * 1000)
+    cache.get("new2", lambda: b"2" * 1000)  # over the limit: the old entry goes first
+    assert not old.exists() and cache.stats()["entries"] == 2
+
+
 def test_resume_mid_epoch_direct(tmp_path):
     _fill(str(tmp_path / "d"), n=9)
     kw = dict(shuffle=True, seed=1, rank=1, world_size=2)
