@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from . import GangSpec, RankExit
-from .local import _GANGRUN_PARENT, LocalGang, _signal_tree, sweep, ticks_now
+from .local import _GANGRUN_PARENT, LocalGang, _signal_tree, sweep, ticks_now, wait_gone
 
 PAD_VAR = "GANGRUN_ENVIRON_PAD"
 PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's environment
@@ -696,22 +696,6 @@ def launcher_for(start_method: str) -> Any:
     return LocalGang
 
 
-def _wait_gone(pid: int, timeout: float) -> None:
-    """Wait until ``pid`` (not our child) has exited, via a pidfd."""
-    try:
-        pfd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return
-    try:
-        import select
-
-        p = select.poll()
-        p.register(pfd, select.POLLIN)
-        p.poll(int(timeout * 1000))
-    finally:
-        os.close(pfd)
-
-
 class ForkServerGang:
     """The rank processes of one attempt, forked by the fork server (same interface as
     :class:`LocalGang`; falls back to one when the server cannot be used)."""
@@ -856,7 +840,7 @@ class ForkServerGang:
             # The server died with this rank running: the rank kills its own tree when it
             # sees that (liveness pipe); make sure it is gone and report it as killed.
             _signal_tree([pid], signal.SIGKILL)
-            _wait_gone(pid, 5.0)
+            wait_gone(pid, 5.0)
             code = -signal.SIGKILL
             try:
                 print(

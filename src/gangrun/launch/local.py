@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -93,7 +94,25 @@ def sweep(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[
                 hit.append(int(name))
             except OSError:
                 pass
+    if sig == signal.SIGKILL:  # gone when the call returns, not a moment later
+        deadline = time.monotonic() + 2.0
+        for pid in hit:
+            wait_gone(pid, max(0.0, deadline - time.monotonic()))
     return hit
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    """Wait until ``pid`` (not necessarily our child) has exited, via a pidfd."""
+    try:
+        pfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return
+    try:
+        p = select.poll()
+        p.register(pfd, select.POLLIN)
+        p.poll(int(timeout * 1000))
+    finally:
+        os.close(pfd)
 
 
 class LocalGang:
