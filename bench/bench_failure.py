@@ -32,13 +32,18 @@ def run(reps: int) -> dict:
         workloads.failing
     )
 
-    def gangrun_(d):
+    gs = g.options(start_method="spawn")  # fresh interpreters: the core path alone
+
+    def gangrun_(d, fn=g):
         try:
-            g.distributed(d)
+            fn.distributed(d)
         except DistributedError as e:
             assert e.rank == 1, e
             return
         raise AssertionError("no failure surfaced")
+
+    def gangrun_spawn(d):
+        gangrun_(d, gs)
 
     def mp_spawn(d):
         try:
@@ -64,7 +69,12 @@ def run(reps: int) -> dict:
             return
         raise AssertionError("no failure surfaced")
 
-    methods = {"gangrun": gangrun_, "mp_spawn": mp_spawn, "elastic_launch": elastic}
+    methods = {
+        "gangrun": gangrun_,
+        "gangrun_spawn": gangrun_spawn,
+        "mp_spawn": mp_spawn,
+        "elastic_launch": elastic,
+    }
     g.distributed  # noqa: B018
     with tempfile.TemporaryDirectory() as d0:  # warm the fork server
         gangrun_(d0)
@@ -84,6 +94,7 @@ def run(reps: int) -> dict:
         "ratios": {
             "gangrun_vs_mp_spawn": ratio(m["gangrun"], m["mp_spawn"]),
             "gangrun_vs_elastic_launch": ratio(m["gangrun"], m["elastic_launch"]),
+            "gangrun_spawn_vs_mp_spawn": ratio(m["gangrun_spawn"], m["mp_spawn"]),
         },
     }
 
