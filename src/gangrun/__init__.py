@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     DistributedCancelledError,
     DistributedError,
+    DistributedHangError,
     DistributedTimeoutError,
     LaunchError,
 )
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # pragma: no cover
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
+    from .hang import heartbeat
 
 _LAZY = {
     "distributed": "api",
@@ -32,6 +34,7 @@ _LAZY = {
     "Options": "api",
     "device": "accelerators",
     "backend": "accelerators",
+    "heartbeat": "hang",
 }
 
 
@@ -61,5 +64,7 @@ __all__ = [
     "LaunchError",
     "DistributedTimeoutError",
     "DistributedCancelledError",
+    "DistributedHangError",
+    "heartbeat",
     "__version__",
 ]

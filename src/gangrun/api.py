@@ -46,6 +46,9 @@ class Options:
     address: str | None = None
     log_system_metrics: bool = False
     hang_timeout: float | None = None
+    # GPUs busy with another call of this user: wait up to this many seconds for them
+    # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
+    gpu_wait: float | None = 0.0
 
     def validate(self) -> Options:
         def _int(name: str, v: Any, low: int) -> None:
@@ -74,6 +77,14 @@ class Options:
                 raise LaunchError(
                     f"{name} must be a positive number of seconds (or None to disable), got {v}."
                 )
+        if self.gpu_wait is not None and (
+            isinstance(self.gpu_wait, bool)
+            or not isinstance(self.gpu_wait, numbers.Real)
+            or self.gpu_wait < 0
+        ):
+            raise LaunchError(
+                f"gpu_wait must be a number of seconds >= 0 or None, got {self.gpu_wait!r}."
+            )
         if self.output not in _OUTPUT_MODES:
             raise LaunchError(f"output must be one of {_OUTPUT_MODES}, got {self.output!r}.")
         if self.start_method not in _START_METHODS:

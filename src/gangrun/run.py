@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import serialization
+from . import security, serialization
 from .errors import (
     DistributedCancelledError,
     DistributedError,
@@ -93,6 +93,7 @@ class Run:
         self._thread: threading.Thread | None = None
         self._started = 0.0
         self._cleanup_dir = True
+        self._reservation: Any = None
 
     # ------------------------------------------------------------------ launch
     def _resolve_world(self) -> None:
@@ -120,7 +121,11 @@ class Run:
                     f"Ask for at most gpus={len(devs)}, or run on a bigger node (backend='ray')."
                 )
             self.world_size = want
-            self.devices = devs[:want]
+            from .reservation import reserve
+
+            # concurrent calls (threads, other notebooks of this user) never share a GPU
+            self._reservation = reserve(devs, want, getattr(o, "gpu_wait", 0.0))
+            self.devices = self._reservation.devices
         if o.gpu_type is not None:
             pool = self.devices or devs
             if not pool:
@@ -144,6 +149,10 @@ class Run:
             env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, self.world_size)))
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in self.devices)
+        # one node: gloo's pairs listen on loopback only (docs/security.md)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if self.opts.hang_timeout is not None:
+            env["GANGRUN_HANG_TIMEOUT"] = str(self.opts.hang_timeout)
         if self.tracker is not None:
             env.update(self.tracker.rank_env())
         return env
@@ -210,7 +219,11 @@ class Run:
 
     def start(self) -> None:
         self._started = time.monotonic()
-        self._resolve_world()
+        try:
+            self._resolve_world()
+        except BaseException:
+            self._release_gpus()
+            raise
         self._make_dirs()
         try:
             serialization.write_payload(
@@ -226,6 +239,9 @@ class Run:
                 self.tracker = Tracker.start(self.tracking_info(), self.stdout)
             self._launch_attempt()
         except BaseException:
+            # e.g. KeyboardInterrupt in the middle of starting the ranks: stop what started
+            self._abort_launch()
+            self._release_gpus()
             self._remove_dir()
             raise
         with _active_lock:
@@ -314,6 +330,11 @@ class Run:
         exits: dict[int, RankExit] = {}
         first_failure: RankExit | None = None
         reason: str | None = None
+        guard = None
+        if self.opts.hang_timeout is not None:
+            from .hang import HangGuard
+
+            guard = HangGuard(self.run_dir, self.log_dir, self.world_size, self.opts.hang_timeout)
         try:
             while remaining:
                 if self._cancel_reason is not None:
@@ -323,8 +344,15 @@ class Run:
                 if wait is not None and wait <= 0:
                     reason = "timeout"
                     break
+                if guard is not None:
+                    wait = guard.poll_interval if wait is None else min(wait, guard.poll_interval)
                 ev = gang.next_exit(wait)
                 if ev is None:
+                    live = sorted(remaining)
+                    if guard is not None and guard.check(live):
+                        guard.dump_stacks(gang.pids, live)
+                        reason = "hang"
+                        break
                     continue
                 if ev.rank == _CANCEL:
                     reason = "cancel"
@@ -354,6 +382,8 @@ class Run:
                 f"{self.world_size} ranks were stopped.",
                 run_id=self.run_id,
             )
+        if reason == "hang" and guard is not None:
+            return guard.error(self.fn_name, self.run_id, self.log_dir)  # type: ignore[no-any-return]
         if reason == "cancel":
             return DistributedCancelledError(
                 f"{self.fn_name} was {self._cancel_reason or 'cancelled'}; all "
@@ -368,7 +398,7 @@ class Run:
         from .worker import error_path
 
         try:
-            return serialization.load_path(error_path(self.run_dir, rank))  # type: ignore[no-any-return]
+            return security.load_private(error_path(self.run_dir, rank))  # type: ignore[no-any-return]
         except Exception:
             return None
 
@@ -445,7 +475,7 @@ class Run:
                 out.append(None)  # the rank ended with exit code 0 but returned nothing (os._exit)
                 continue
             try:
-                out.append(serialization.load_path(p))
+                out.append(security.load_private(p))  # only from a 0700 dir of this user
             except Exception as exc:
                 raise DistributedError(
                     f"The result of rank {r} could not be loaded in the caller: "
@@ -477,6 +507,7 @@ class Run:
             except OSError:
                 pass
             self._clear_attempt_files()
+            self._release_gpus()
             with _active_lock:
                 _active.discard(self)
             self._done.set()
@@ -508,6 +539,23 @@ class Run:
             raise self._error
         assert self._results is not None
         return self._results
+
+    def _abort_launch(self) -> None:
+        gang, self.gang = self.gang, None
+        if gang is None:
+            return
+        try:
+            gang.stop(0.0)
+        finally:
+            pump = getattr(self, "pump", None)
+            if pump is not None:
+                pump.close(drain_timeout=0.5)
+            gang.close()
+
+    def _release_gpus(self) -> None:
+        res, self._reservation = self._reservation, None
+        if res is not None:
+            res.release()
 
     def _remove_dir(self) -> None:
         if self.run_dir:
