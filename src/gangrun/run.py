@@ -405,7 +405,11 @@ class Run:
     def _root_cause(
         self, exits: dict[int, RankExit], first: RankExit, teardown_at: float
     ) -> DistributedError:
+        from . import rootcause
+
         candidates = []
+        late = []  # died without a record just after the teardown began: maybe not by it
+        late_window = min(1.0, self.opts.grace_period)
         for rank, ev in exits.items():
             if ev.exitcode == 0:
                 continue
@@ -413,8 +417,9 @@ class Run:
             t = rec["time"] if rec else ev.time
             if rank == first.rank or t <= teardown_at:
                 candidates.append((t, rank, ev, rec))
-        candidates.sort(key=lambda c: (c[0], c[1]))
-        _, rank, ev, rec = candidates[0]
+            elif rec is None and t <= teardown_at + late_window:
+                late.append((t, rank, ev, rec))
+        _, rank, ev, rec = rootcause.pick(candidates, late)
         log_file = os.path.join(self.log_dir, f"rank-{rank}.log")
         tail = _tail(log_file)
         pid = self.gang.pids.get(rank)

@@ -52,7 +52,12 @@ def check_private_file(path: str) -> None:
 def load_private(path: str) -> Any:
     """Unpickle ``path`` after checking that it and its directory are private to this user."""
     check_private_dir(os.path.dirname(os.path.abspath(path)))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UnsafePathError(f"{path} is a symlink; not loading it.") from exc
+        raise
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_no_survivors
 from soak_faults import (
     CALLER_KINDS,
     CHEAP_POINTS,
@@ -40,6 +39,7 @@ from soak_faults import (
 )
 
 import gangrun
+from conftest import assert_no_survivors
 from gangrun import DistributedError, DistributedTimeoutError
 from gangrun.errors import DistributedCancelledError
 
