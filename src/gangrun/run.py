@@ -407,8 +407,8 @@ class Run:
     ) -> DistributedError:
         from . import rootcause
 
-        candidates = []
-        late = []  # died without a record just after the teardown began: maybe not by it
+        candidates: list[Any] = []
+        late: list[Any] = []  # died without a record just after the teardown began: maybe not by it
         late_window = min(1.0, self.opts.grace_period)
         for rank, ev in exits.items():
             if ev.exitcode == 0:
