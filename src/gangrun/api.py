@@ -206,19 +206,29 @@ class DistributedFunction(Generic[P, R]):
             run = RayRun(self._fn, args, kwargs, opts)
         else:
             run = Run(self._fn, args, kwargs, opts)
-        run.start()
-        return RunHandle(run)
+        try:
+            run.start()
+            return RunHandle(run)
+        except BaseException:
+            # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
+            # before that point): nothing may keep running without a handle.
+            if getattr(run, "_thread", None) is not None:
+                run.cancel("interrupted", wait=60.0)
+                run._remove_dir()
+            raise
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run on every rank and block; the per-rank return values in rank order.
 
         ``KeyboardInterrupt`` (Ctrl-C, "interrupt kernel") stops every rank and re-raises.
         """
-        handle = self.submit(*args, **kwargs)
+        handle = None
         try:
+            handle = self.submit(*args, **kwargs)
             return handle.result()
         except KeyboardInterrupt:
-            handle._run.cancel("interrupted", wait=60.0)
+            if handle is not None:
+                handle._run.cancel("interrupted", wait=60.0)
             raise
 
     def options(self, **overrides: Any) -> DistributedFunction[P, R]:

@@ -113,10 +113,15 @@ class HangGuard:
                 pass
         return t
 
+    def booted(self, rank: int) -> bool:
+        """The rank installed the guard (heartbeat file, SIGUSR1 stack dump). A rank still
+        starting its interpreter is left to the call's ``timeout``: SIGUSR1 would kill it."""
+        return os.path.exists(heartbeat_path(self.run_dir, rank))
+
     def check(self, live_ranks: list[int]) -> list[int]:
         """The live ranks silent for longer than ``hang_timeout`` (empty: all fine)."""
         now = time.time()
-        idle = {r: now - self.last_progress(r) for r in live_ranks}
+        idle = {r: now - self.last_progress(r) for r in live_ranks if self.booted(r)}
         stalled = sorted(r for r, s in idle.items() if s > self.hang_timeout)
         if stalled:
             self.stalled = stalled
@@ -125,6 +130,7 @@ class HangGuard:
 
     def dump_stacks(self, pids: dict[int, int], live_ranks: list[int], wait: float = 2.0) -> None:
         """SIGUSR1 every live rank and collect what faulthandler wrote."""
+        live_ranks = [r for r in live_ranks if self.booted(r)]
         for r in live_ranks:
             try:
                 os.kill(pids[r], signal.SIGUSR1)

@@ -40,7 +40,7 @@ from soak_faults import (
 
 import gangrun
 from conftest import assert_no_survivors
-from gangrun import DistributedError, DistributedTimeoutError
+from gangrun import DistributedError, DistributedHangError, DistributedTimeoutError
 from gangrun.errors import DistributedCancelledError
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow]
@@ -55,7 +55,7 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
     rng = random.Random(seed)
     world = rng.choice([2, 2, 2, 3])
     kind = rng.choices(RANK_KINDS + CALLER_KINDS, weights=[16, 14, 14, 14, 8, 8, 8, 6], k=1)[0]
-    point = rng.choices(CHEAP_POINTS + TORCH_POINTS, weights=[25, 22, 22, 18, 6, 7], k=1)[0]
+    point = rng.choices(CHEAP_POINTS + TORCH_POINTS, weights=[24, 20, 20, 18, 7, 11], k=1)[0]
     if kind == "caller_kill" and point in TORCH_POINTS:
         point = "print"  # keep subprocess-caller runs cheap
     plan = {
@@ -74,6 +74,9 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
         "delay": rng.uniform(0.0, 1.2),
         "grace": rng.choice([0.2, 0.5, 1.0]),
         "ckpt_dir": ckpt_dir,
+        # hang: caught by the call's timeout, or by the stuck-rank guard (hang_timeout)
+        "guard": kind == "hang" and rng.random() < 0.5,
+        "caller_signal": rng.choice(["SIGKILL", "SIGINT"]),
     }
     if point in TORCH_POINTS:
         plan["others"] = "sleep"  # peers take part in the collectives
@@ -149,6 +152,12 @@ def _expect_rank_fault(plan: dict, err: BaseException | None) -> str | None:
     kind, victim, point = plan["kind"], plan["victim"], plan["point"]
     if err is None:
         return "the call returned although a rank failed"
+    if kind == "hang" and plan["guard"]:
+        if not isinstance(err, DistributedHangError):
+            return f"expected DistributedHangError, got {type(err).__name__}: {err}"
+        if victim not in err.ranks:
+            return f"hung rank {victim} not among the silent ranks {err.ranks}: {err}"
+        return None
     if kind == "hang":
         if not isinstance(err, DistributedTimeoutError):
             return f"expected DistributedTimeoutError, got {type(err).__name__}: {err}"
@@ -177,7 +186,7 @@ def _expect_rank_fault(plan: dict, err: BaseException | None) -> str | None:
 
 
 def _timeout_for(plan: dict) -> float:
-    if plan["kind"] == "hang":
+    if plan["kind"] == "hang" and not plan["guard"]:
         return 5.0 if plan["point"] in TORCH_POINTS else 2.0
     return 90.0
 
@@ -188,6 +197,7 @@ def _run_in_process(plan: dict) -> str | None:
         mlflow=False,
         timeout=_timeout_for(plan),
         grace_period=plan["grace"],
+        hang_timeout=(3.0 if plan["point"] in TORCH_POINTS else 1.0) if plan["guard"] else None,
         output="none" if plan["lines"] > 2000 else "all",
     )(soak_rank)
     kind = plan["kind"]
@@ -235,6 +245,10 @@ def _run_in_process(plan: dict) -> str | None:
 
 
 def _run_caller_kill(plan: dict, tmp: str) -> str | None:
+    """A caller subprocess is SIGKILLed (nothing can clean up in it: the ranks must notice) or
+    SIGINTed (Ctrl-C in a terminal: KeyboardInterrupt, the call stops its ranks and the
+    caller exits, leaving no run directory either)."""
+    import shutil
     import subprocess
 
     code = (
@@ -243,20 +257,39 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
         "from soak_faults import soak_rank\n"
         "import gangrun\n"
         "plan = json.loads(sys.argv[1])\n"
-        "fn = gangrun.distributed(processes=plan['world'], mlflow=False, timeout=90, output='none')(soak_rank)\n"
+        "fn = gangrun.distributed(processes=plan['world'], mlflow=False, timeout=90, output='none', grace_period=plan['grace'])(soak_rank)\n"
         "fn.distributed(plan)\n"
     )
+    for name in _run_dirs(tmp):
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
     env = dict(os.environ, TMPDIR=tmp)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, json.dumps(plan)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    errfile = os.path.join(tmp, "caller.err")
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(plan)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    problem = None
     try:
         time.sleep(plan["delay"])
-        proc.kill()
-        proc.wait(10)
+        sig = signal.SIGINT if plan["caller_signal"] == "SIGINT" else signal.SIGKILL
+        proc.send_signal(sig)
+        try:
+            rc = proc.wait(70)
+        except subprocess.TimeoutExpired:
+            return f"the caller did not exit within 70s of {plan['caller_signal']}"
+        if sig == signal.SIGINT:
+            with open(errfile) as f:
+                text = f.read()
+            if rc not in (1, -signal.SIGINT):
+                problem = f"caller exit code {rc} after SIGINT: {text[-1500:]}"
+            elif rc == 1 and "KeyboardInterrupt" not in text:
+                problem = f"caller exit code 1 without KeyboardInterrupt: {text[-1500:]}"
+            left = _run_dirs(tmp)
+            if left and problem is None:
+                problem = f"interrupted caller left run dirs {left}: {text[-1500:]}"
         assert_no_survivors(proc.pid, wait=10.0)
     finally:
         if proc.poll() is None:
@@ -264,10 +297,8 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
             proc.wait(10)
     # a SIGKILLed caller cannot remove its run directory: not counted as a leak of *this* caller
     for name in _run_dirs(tmp):
-        import shutil
-
         shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-    return None
+    return problem
 
 
 def _next_call_ok() -> str | None:
@@ -314,7 +345,12 @@ def test_soak(tmp_path, monkeypatch, capsys):
             problems += base.leaks()
         except BaseException as exc:  # the soak itself must report, not die
             problems = [f"soak harness error: {type(exc).__name__}: {exc}"]
-        counts[(plan["kind"], plan["point"])] += 1
+        label = plan["kind"]
+        if label == "caller_kill":
+            label = f"caller_{plan['caller_signal']}"
+        elif label == "hang":
+            label = "hang_guard" if plan["guard"] else "hang_timeout"
+        counts[(label, plan["point"])] += 1
         counts["runs"] += 1
         if problems:
             counts["failed"] += 1
