@@ -34,10 +34,20 @@ _active_lock = threading.Lock()
 _active: set[Run] = set()
 
 
+_recent_ports: list[int] = []  # handed out lately: concurrent calls never get the same one
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _active_lock:
+            if port not in _recent_ports:
+                _recent_ports.append(port)
+                del _recent_ports[:-256]
+                return port
+    return port
 
 
 def cpu_count() -> int:
