@@ -48,6 +48,7 @@ pytestmark = [pytest.mark.soak, pytest.mark.slow]
 RUNS = int(os.environ.get("GANGRUN_SOAK_RUNS", "100"))
 BASE_SEED = int(os.environ.get("GANGRUN_SOAK_SEED", str(random.SystemRandom().randrange(10**6))))
 ONLY = os.environ.get("GANGRUN_SOAK_ONLY")
+KINDS = set(filter(None, os.environ.get("GANGRUN_SOAK_KINDS", "").split(",")))  # debug filter
 HERE = Path(__file__).resolve().parent
 
 
@@ -328,6 +329,8 @@ def test_soak(tmp_path, monkeypatch, capsys):
     t0 = time.monotonic()
     for i in indices:
         plan = make_plan(BASE_SEED + i, str(ckpt))
+        if KINDS and plan["kind"] not in KINDS:
+            continue
         started = time.monotonic()
         try:
             if plan["kind"] == "caller_kill":
