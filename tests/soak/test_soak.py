@@ -253,7 +253,9 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
     import subprocess
 
     code = (
-        "import sys, json\n"
+        "import sys, json, signal\n"
+        # a shell's background job starts with SIGINT ignored; a terminal's Ctrl-C must work
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"sys.path.insert(0, {str(HERE)!r})\n"
         "from soak_faults import soak_rank\n"
         "import gangrun\n"
@@ -312,7 +314,11 @@ def _next_call_ok() -> str | None:
 
 
 @pytest.mark.timeout(120 + 12 * RUNS)
-def test_soak(tmp_path, monkeypatch, capsys):
+def test_soak(tmp_path, monkeypatch, capsys, request):
+    # Started as a shell background job, this process has SIGINT ignored and Python keeps it
+    # so: an interrupt would be lost. Simulate what a terminal or a Jupyter kernel provides.
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, saved))
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     ckpt = tmp_path / "ckpt"
