@@ -92,6 +92,14 @@ class Reservation:
 
 def _try_pick(pool: Sequence[Any], want: int, directory: str) -> Reservation | None:
     held: list[tuple[Any, int]] = []
+    try:
+        return _pick(pool, want, directory, held)
+    except BaseException:  # e.g. Ctrl-C while waiting: drop what was taken
+        Reservation([], [fd for _, fd in held]).release()
+        raise
+
+
+def _pick(pool: Sequence[Any], want: int, directory: str, held: list[tuple[Any, int]]) -> Any:
     with _pick_lock:
         for dev in pool:
             if len(held) == want:
