@@ -159,8 +159,9 @@ class Run:
             env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, self.world_size)))
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in self.devices)
-        # one node: gloo's pairs listen on loopback only (docs/security.md)
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if getattr(self.opts, "backend", "local") == "local":
+            # one node: gloo's pairs listen on loopback only (docs/security.md)
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if self.opts.hang_timeout is not None:
             env["GANGRUN_HANG_TIMEOUT"] = str(self.opts.hang_timeout)
         if self.tracker is not None:
