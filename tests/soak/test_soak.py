@@ -156,8 +156,11 @@ def _expect_rank_fault(plan: dict, err: BaseException | None) -> str | None:
     if kind == "hang" and plan["guard"]:
         if not isinstance(err, DistributedHangError):
             return f"expected DistributedHangError, got {type(err).__name__}: {err}"
-        if victim not in err.ranks:
-            return f"hung rank {victim} not among the silent ranks {err.ranks}: {err}"
+        # sleeping peers are silent too: the guard may catch one of them before the victim
+        if not err.ranks or (plan["others"] == "finish" and err.ranks != [victim]):
+            return f"hung rank {victim}: silent ranks reported {err.ranks}: {err}"
+        if not all(err.stacks.get(r) for r in err.ranks):
+            return f"no stack for a silent rank: {err.stacks}"
         return None
     if kind == "hang":
         if not isinstance(err, DistributedTimeoutError):
