@@ -13,6 +13,7 @@ from __future__ import annotations
 from .errors import (
     DistributedCancelledError,
     DistributedError,
+    DistributedHangError,
     DistributedTimeoutError,
     LaunchError,
 )
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
+    from .hang import heartbeat
 
 _LAZY = {
     "distributed": "api",
@@ -33,6 +35,7 @@ _LAZY = {
     "Options": "api",
     "device": "accelerators",
     "backend": "accelerators",
+    "heartbeat": "hang",
 }
 
 
@@ -62,5 +65,7 @@ __all__ = [
     "LaunchError",
     "DistributedTimeoutError",
     "DistributedCancelledError",
+    "DistributedHangError",
+    "heartbeat",
     "__version__",
 ]

@@ -44,6 +44,9 @@ class Options:
     address: str | None = None
     log_system_metrics: bool = False
     hang_timeout: float | None = None
+    # GPUs busy with another call of this user: wait up to this many seconds for them
+    # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
+    gpu_wait: float | None = 0.0
 
     def validate(self) -> Options:
         def _int(name: str, v: Any, low: int) -> None:
@@ -72,6 +75,14 @@ class Options:
                 raise LaunchError(
                     f"{name} must be a positive number of seconds (or None to disable), got {v}."
                 )
+        if self.gpu_wait is not None and (
+            isinstance(self.gpu_wait, bool)
+            or not isinstance(self.gpu_wait, numbers.Real)
+            or self.gpu_wait < 0
+        ):
+            raise LaunchError(
+                f"gpu_wait must be a number of seconds >= 0 or None, got {self.gpu_wait!r}."
+            )
         if self.output not in _OUTPUT_MODES:
             raise LaunchError(f"output must be one of {_OUTPUT_MODES}, got {self.output!r}.")
         if self.start_method not in _START_METHODS:
@@ -195,19 +206,29 @@ class DistributedFunction(Generic[P, R]):
             run = RayRun(self._fn, args, kwargs, opts)
         else:
             run = Run(self._fn, args, kwargs, opts)
-        run.start()
-        return RunHandle(run)
+        try:
+            run.start()
+            return RunHandle(run)
+        except BaseException:
+            # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
+            # before that point): nothing may keep running without a handle.
+            if getattr(run, "_thread", None) is not None:
+                run.cancel("interrupted", wait=60.0)
+                run._remove_dir()
+            raise
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run on every rank and block; the per-rank return values in rank order.
 
         ``KeyboardInterrupt`` (Ctrl-C, "interrupt kernel") stops every rank and re-raises.
         """
-        handle = self.submit(*args, **kwargs)
+        handle = None
         try:
+            handle = self.submit(*args, **kwargs)
             return handle.result()
         except KeyboardInterrupt:
-            handle._run.cancel("interrupted", wait=60.0)
+            if handle is not None:
+                handle._run.cancel("interrupted", wait=60.0)
             raise
 
     def options(self, **overrides: Any) -> DistributedFunction[P, R]:

@@ -82,6 +82,30 @@ class DistributedCancelledError(DistributedError):
     """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was stopped."""
 
 
+class DistributedHangError(DistributedError, TimeoutError):
+    """Some ranks stopped making progress for ``hang_timeout`` seconds; every rank was stopped.
+
+    ``ranks`` are the silent ranks (``rank`` is the first of them), ``stacks`` maps each live
+    rank to its Python stacks (all threads) at the moment the hang was detected.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: list[int] | None = None,
+        stacks: dict[int, str] | None = None,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.ranks = list(ranks or [])
+        self.stacks = dict(stacks or {})
+
+    def __reduce__(self):
+        fn, (cls, msg, kw) = super().__reduce__()
+        return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks))
+
+
 def signal_name(exitcode: int | None) -> str | None:
     """``-9`` -> ``"SIGKILL"``; ``None`` for normal exit codes."""
     if exitcode is None or exitcode >= 0:
@@ -97,5 +121,6 @@ __all__ = [
     "LaunchError",
     "DistributedTimeoutError",
     "DistributedCancelledError",
+    "DistributedHangError",
     "signal_name",
 ]

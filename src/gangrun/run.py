@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import serialization
+from . import security, serialization
 from .errors import (
     DistributedCancelledError,
     DistributedError,
@@ -34,10 +34,20 @@ _active_lock = threading.Lock()
 _active: set[Run] = set()
 
 
+_recent_ports: list[int] = []  # handed out lately: concurrent calls never get the same one
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _active_lock:
+            if port not in _recent_ports:
+                _recent_ports.append(port)
+                del _recent_ports[:-256]
+                return port
+    return port
 
 
 def cpu_count() -> int:
@@ -93,6 +103,7 @@ class Run:
         self._thread: threading.Thread | None = None
         self._started = 0.0
         self._released = False
+        self._reservation: Any = None
 
     # ------------------------------------------------------------------ launch
     def _resolve_world(self) -> None:
@@ -120,7 +131,11 @@ class Run:
                     f"Ask for at most gpus={len(devs)}, or run on a bigger node (backend='ray')."
                 )
             self.world_size = want
-            self.devices = devs[:want]
+            from .reservation import reserve
+
+            # concurrent calls (threads, other notebooks of this user) never share a GPU
+            self._reservation = reserve(devs, want, getattr(o, "gpu_wait", 0.0))
+            self.devices = self._reservation.devices
         if o.gpu_type is not None:
             pool = self.devices or devs
             if not pool:
@@ -144,6 +159,11 @@ class Run:
             env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, self.world_size)))
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in self.devices)
+        if getattr(self.opts, "backend", "local") == "local":
+            # one node: gloo's pairs listen on loopback only (docs/security.md)
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if self.opts.hang_timeout is not None:
+            env["GANGRUN_HANG_TIMEOUT"] = str(self.opts.hang_timeout)
         if self.tracker is not None:
             env.update(self.tracker.rank_env())
         return env
@@ -210,7 +230,11 @@ class Run:
 
     def start(self) -> None:
         self._started = time.monotonic()
-        self._resolve_world()
+        try:
+            self._resolve_world()
+        except BaseException:
+            self._release_gpus()
+            raise
         self._make_dirs()
         try:
             serialization.write_payload(
@@ -226,6 +250,9 @@ class Run:
                 self.tracker = Tracker.start(self.tracking_info(), self.stdout)
             self._launch_attempt()
         except BaseException as exc:
+            # e.g. KeyboardInterrupt in the middle of starting the ranks: stop what started
+            self._abort_launch()
+            self._release_gpus()
             if self.tracker is not None:  # the run was created: never leave it RUNNING
                 try:
                     status = "FAILED" if isinstance(exc, Exception) else "KILLED"
@@ -320,6 +347,11 @@ class Run:
         exits: dict[int, RankExit] = {}
         first_failure: RankExit | None = None
         reason: str | None = None
+        guard = None
+        if self.opts.hang_timeout is not None:
+            from .hang import HangGuard
+
+            guard = HangGuard(self.run_dir, self.log_dir, self.world_size, self.opts.hang_timeout)
         try:
             while remaining:
                 if self._cancel_reason is not None:
@@ -329,8 +361,15 @@ class Run:
                 if wait is not None and wait <= 0:
                     reason = "timeout"
                     break
+                if guard is not None:
+                    wait = guard.poll_interval if wait is None else min(wait, guard.poll_interval)
                 ev = gang.next_exit(wait)
                 if ev is None:
+                    live = sorted(remaining)
+                    if guard is not None and guard.check(live):
+                        guard.dump_stacks(gang.pids, live)
+                        reason = "hang"
+                        break
                     continue
                 if ev.rank == _CANCEL:
                     reason = "cancel"
@@ -360,6 +399,8 @@ class Run:
                 f"{self.world_size} ranks were stopped.",
                 run_id=self.run_id,
             )
+        if reason == "hang" and guard is not None:
+            return guard.error(self.fn_name, self.run_id, self.log_dir)  # type: ignore[no-any-return]
         if reason == "cancel":
             return DistributedCancelledError(
                 f"{self.fn_name} was {self._cancel_reason or 'cancelled'}; all "
@@ -374,14 +415,18 @@ class Run:
         from .worker import error_path
 
         try:
-            return serialization.load_path(error_path(self.run_dir, rank))  # type: ignore[no-any-return]
+            return security.load_private(error_path(self.run_dir, rank))  # type: ignore[no-any-return]
         except Exception:
             return None
 
     def _root_cause(
         self, exits: dict[int, RankExit], first: RankExit, teardown_at: float
     ) -> DistributedError:
-        candidates = []
+        from . import rootcause
+
+        candidates: list[Any] = []
+        late: list[Any] = []  # died without a record just after the teardown began: maybe not by it
+        late_window = min(1.0, self.opts.grace_period)
         for rank, ev in exits.items():
             if ev.exitcode == 0:
                 continue
@@ -389,8 +434,9 @@ class Run:
             t = rec["time"] if rec else ev.time
             if rank == first.rank or t <= teardown_at:
                 candidates.append((t, rank, ev, rec))
-        candidates.sort(key=lambda c: (c[0], c[1]))
-        _, rank, ev, rec = candidates[0]
+            elif rec is None and t <= teardown_at + late_window:
+                late.append((t, rank, ev, rec))
+        _, rank, ev, rec = rootcause.pick(candidates, late)
         log_file = os.path.join(self.log_dir, f"rank-{rank}.log")
         tail = _tail(log_file)
         pid = self.gang.pids.get(rank)
@@ -451,7 +497,7 @@ class Run:
                 out.append(None)  # the rank ended with exit code 0 but returned nothing (os._exit)
                 continue
             try:
-                out.append(serialization.load_path(p))
+                out.append(security.load_private(p))  # only from a 0700 dir of this user
             except Exception as exc:
                 raise DistributedError(
                     f"The result of rank {r} could not be loaded in the caller: "
@@ -483,6 +529,7 @@ class Run:
             except OSError:
                 pass
             self._clear_attempt_files()
+            self._release_gpus()
             with _active_lock:
                 _active.discard(self)
                 if self._released:
@@ -533,6 +580,23 @@ class Run:
             done = self._done.is_set()
         if done:
             self._remove_dir()
+
+    def _abort_launch(self) -> None:
+        gang, self.gang = self.gang, None
+        if gang is None:
+            return
+        try:
+            gang.stop(0.0)
+        finally:
+            pump = getattr(self, "pump", None)
+            if pump is not None:
+                pump.close(drain_timeout=0.5)
+            gang.close()
+
+    def _release_gpus(self) -> None:
+        res, self._reservation = self._reservation, None
+        if res is not None:
+            res.release()
 
     def _remove_dir(self) -> None:
         if self.run_dir:

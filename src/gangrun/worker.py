@@ -161,7 +161,9 @@ def run_rank(run_dir: str, rank: int) -> int:
 
     try:
         setup_context(run_dir)
-        fn, args, kwargs = serialization.load_path(os.path.join(run_dir, "payload.pkl"))
+        from .security import load_private
+
+        fn, args, kwargs = load_private(os.path.join(run_dir, "payload.pkl"))
         result = fn(*args, **kwargs)
     except SystemExit as exc:
         code = exc.code
@@ -208,6 +210,10 @@ def main() -> None:
         before_exit.append(flush_in_rank)
     run_dir = os.environ["GANGRUN_RUN_DIR"]
     rank = int(os.environ["RANK"])
+    if os.environ.get("GANGRUN_HANG_TIMEOUT"):
+        from .hang import install
+
+        install(run_dir, rank)
     code = run_rank(run_dir, rank)
     _flush_and_exit(code)
 

@@ -1,0 +1,188 @@
+"""The stuck-rank guard (opt-in ``hang_timeout=SECONDS``).
+
+A rank whose process is alive but makes no progress (typically blocked in a collective that a
+peer never joins) hangs a job until the call's ``timeout``. With ``hang_timeout`` set, each rank
+counts as making progress when it
+
+- writes output (any stdout/stderr bytes: the caller's output pump appends them to the rank's
+  log file, whose modification time is the beat), or
+- calls :func:`gangrun.heartbeat` (touches ``heartbeat.<rank>`` in the private run directory;
+  call it once per training step when a step prints nothing).
+
+When a live rank has made no progress for ``hang_timeout`` seconds, the caller sends ``SIGUSR1``
+to every live rank (each registered ``faulthandler`` for it, writing all threads' Python stacks
+to ``stacks.<rank>`` in the run directory), waits briefly for the dumps, stops the gang and
+raises :class:`gangrun.DistributedHangError` naming the silent ranks, with every rank's stack.
+Like any failure, a hang is retried when ``max_restarts`` allows.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from typing import IO, Any
+
+ENV = "GANGRUN_HANG_TIMEOUT"
+_MIN_BEAT_INTERVAL_S = 0.25
+_last_beat = 0.0
+_beat_path: str | None = None
+_stack_file: IO[str] | None = None  # kept open for faulthandler
+
+
+def heartbeat_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"heartbeat.{rank}")
+
+
+def stacks_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"stacks.{rank}")
+
+
+# ---------------------------------------------------------------------------- rank side
+def heartbeat() -> None:
+    """Tell the stuck-rank guard this rank is making progress (cheap; a no-op outside a rank
+    or when ``hang_timeout`` is off). Call it in the training loop, e.g. once per step."""
+    global _last_beat
+    path = _beat_path
+    if path is None:
+        return
+    now = time.monotonic()
+    if now - _last_beat < _MIN_BEAT_INTERVAL_S:
+        return
+    _last_beat = now
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError:
+            pass
+    except OSError:
+        pass
+
+
+def install(run_dir: str, rank: int) -> None:
+    """In a rank, when the guard is on: heartbeat file, and stacks dumped on SIGUSR1."""
+    global _beat_path, _stack_file
+    _beat_path = heartbeat_path(run_dir, rank)
+    heartbeat()
+    try:
+        fd = os.open(
+            stacks_path(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+        )
+        _stack_file = os.fdopen(fd, "w")
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        pass
+
+
+# ---------------------------------------------------------------------------- caller side
+class HangGuard:
+    """Watches one attempt's ranks for progress."""
+
+    def __init__(self, run_dir: str, log_dir: str, world_size: int, hang_timeout: float) -> None:
+        self.run_dir = run_dir
+        self.log_dir = log_dir
+        self.world_size = world_size
+        self.hang_timeout = float(hang_timeout)
+        self.started = time.time()
+        self.stalled: list[int] = []
+        self.idle: dict[int, float] = {}
+        self.stacks: dict[int, str] = {}
+        for r in range(world_size):
+            for p in (heartbeat_path(run_dir, r), stacks_path(run_dir, r)):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+    @property
+    def poll_interval(self) -> float:
+        return min(1.0, max(0.05, self.hang_timeout / 5))
+
+    def last_progress(self, rank: int) -> float:
+        t = self.started
+        for p in (
+            os.path.join(self.log_dir, f"rank-{rank}.log"),
+            heartbeat_path(self.run_dir, rank),
+        ):
+            try:
+                t = max(t, os.stat(p).st_mtime)
+            except OSError:
+                pass
+        return t
+
+    def booted(self, rank: int) -> bool:
+        """The rank installed the guard (heartbeat file, SIGUSR1 stack dump). A rank still
+        starting its interpreter is left to the call's ``timeout``: SIGUSR1 would kill it."""
+        return os.path.exists(heartbeat_path(self.run_dir, rank))
+
+    def check(self, live_ranks: list[int]) -> list[int]:
+        """The live ranks silent for longer than ``hang_timeout`` (empty: all fine)."""
+        now = time.time()
+        idle = {r: now - self.last_progress(r) for r in live_ranks if self.booted(r)}
+        stalled = sorted(r for r, s in idle.items() if s > self.hang_timeout)
+        if stalled:
+            self.stalled = stalled
+            self.idle = idle
+        return stalled
+
+    def dump_stacks(self, pids: dict[int, int], live_ranks: list[int], wait: float = 2.0) -> None:
+        """SIGUSR1 every live rank and collect what faulthandler wrote."""
+        live_ranks = [r for r in live_ranks if self.booted(r)]
+        for r in live_ranks:
+            try:
+                os.kill(pids[r], signal.SIGUSR1)
+            except (KeyError, ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        sizes: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            now_sizes = {}
+            for r in live_ranks:
+                try:
+                    now_sizes[r] = os.stat(stacks_path(self.run_dir, r)).st_size
+                except OSError:
+                    now_sizes[r] = 0
+            if all(now_sizes.values()) and now_sizes == sizes:
+                break  # every dump is there and no longer growing
+            sizes = now_sizes
+            time.sleep(0.1)
+        for r in live_ranks:
+            try:
+                with open(stacks_path(self.run_dir, r), errors="replace") as f:
+                    self.stacks[r] = f.read().strip()
+            except OSError:
+                self.stacks[r] = ""
+
+    def error(self, fn_name: str, run_id: str, log_dir: str) -> Any:
+        from .errors import DistributedHangError
+
+        parts = []
+        for r in sorted(self.stacks):
+            state = (
+                f"silent for {self.idle.get(r, 0):.0f}s"
+                if r in self.stalled
+                else "still making progress"
+            )
+            stack = self.stacks[r] or "(no stack dump: the rank did not answer SIGUSR1)"
+            parts.append(f"--- rank {r} ({state}) ---\n{stack}")
+        ranks = ", ".join(map(str, self.stalled))
+        msg = (
+            f"{fn_name}: rank(s) {ranks} made no progress (no output, no gangrun.heartbeat()) "
+            f"for hang_timeout={self.hang_timeout:g}s; all {self.world_size} ranks were stopped. "
+            "Python stacks of the live ranks at that moment:\n\n"
+            + "\n\n".join(parts)
+            + f"\n\nFull logs: err.logs(rank), or the files in {log_dir}"
+        )
+        return DistributedHangError(
+            msg,
+            rank=self.stalled[0] if self.stalled else None,
+            run_id=run_id,
+            ranks=list(self.stalled),
+            stacks=dict(self.stacks),
+        )
+
+
+__all__ = ["heartbeat", "install", "HangGuard"]

@@ -1,0 +1,152 @@
+"""Rank-side functions of the reliability tests (stdlib only at import: ranks import it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def tagged(tag: str, sleep: float) -> dict:
+    t0 = time.time()
+    for i in range(3):
+        print(f"tag={tag} line={i}", flush=True)
+    time.sleep(sleep)
+    return {
+        "tag": tag,
+        "port": os.environ["MASTER_PORT"],
+        "run_dir": os.environ["GANGRUN_RUN_DIR"],
+        "start": t0,
+        "end": time.time(),
+    }
+
+
+def visible_devices(sleep: float) -> str:
+    time.sleep(sleep)
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+def train(ckpt_dir: str, steps: int, kill_step: int | None) -> dict:
+    """DDP on gloo with a checkpoint per step; rank 1 SIGKILLs itself after step
+    ``kill_step`` on the first attempt only."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    path = os.path.join(ckpt_dir, "ckpt.pt")
+    start = 0
+    if os.path.exists(path):
+        state = torch.load(path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+        print(f"resuming from step {start} (attempt {attempt})", flush=True)
+    losses = []
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(16, 4, generator=g)
+        y = x.sum(1, keepdim=True)
+        loss = ((ddp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if rank == 0:
+            tmp = path + ".tmp"
+            torch.save(
+                {"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp
+            )
+            os.replace(tmp, path)
+        dist.barrier()  # the checkpoint of this step is complete before anyone goes on
+        if rank == 1 and attempt == 0 and kill_step is not None and step + 1 == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return {
+        "params": [p.detach().tolist() for p in model.parameters()],
+        "attempt": attempt,
+        "start": start,
+    }
+
+
+def stuck_in_collective() -> None:
+    """Rank 0 blocks in a gloo all_reduce that rank 1 never joins (rank 1 sleeps)."""
+    print("importing torch", flush=True)  # output is progress: startup is not a hang
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print("ready", flush=True)
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(600)
+
+
+def quiet_but_beating(seconds: float, how: str) -> int:
+    import gangrun
+
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        if how == "heartbeat":
+            gangrun.heartbeat()
+        else:
+            print(f"step {i}", flush=True)
+        i += 1
+        time.sleep(0.1)
+    return i
+
+
+def open_up_run_dir() -> int:
+    """Misbehave: make the run directory reachable by others before returning."""
+    os.chmod(os.environ["GANGRUN_RUN_DIR"], 0o755)
+    return 1
+
+
+def echo(value: str) -> dict:
+    return {"arg": value, "env": os.environ.get("SOAK_ECHO", ""), "cwd": os.getcwd()}
+
+
+def listening_sockets() -> dict:
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1))
+    socks = [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    dist.barrier()
+    return {
+        "listen": socks,
+        "master_port": int(os.environ["MASTER_PORT"]),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+    }
+
+
+def private_files() -> dict:
+    import stat
+
+    run_dir = os.environ["GANGRUN_RUN_DIR"]
+    modes = {}
+    for root, dirs, files in os.walk(run_dir):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            modes[os.path.relpath(p, run_dir)] = stat.S_IMODE(os.lstat(p).st_mode)
+    modes["."] = stat.S_IMODE(os.lstat(run_dir).st_mode)
+    return modes
+
+
+def always_fail() -> None:
+    raise ValueError(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} failed")

@@ -1,0 +1,140 @@
+"""Rank-side fault injection for the soak (stdlib only: imported by rank processes too).
+
+``soak_rank(plan)`` is the distributed function of every soak run. ``plan`` says which rank is
+the victim, at which point of its work it fails, and how:
+
+points: ``startup`` (first thing), ``print`` (after printing heavily), ``checkpoint`` (in the
+middle of writing a checkpoint file), ``return`` (while its large return value is being
+pickled), ``before_init`` (torch imported, before ``init_process_group``), ``collective``
+(peers blocked inside a gloo collective; signal kinds fire while the victim itself is inside a
+gloo ``recv``).
+
+kinds: ``exception``, ``exit`` (``sys.exit(code)``; ``os._exit(code)`` where no Python frame
+can raise), ``sigkill``, ``sigsegv``, ``hang``; and for caller-side faults (``interrupt``,
+``cancel``, ``caller_kill``) no rank fails: every rank does its work and then waits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+RANK_KINDS = ("exception", "exit", "sigkill", "sigsegv", "hang")
+CALLER_KINDS = ("interrupt", "cancel", "caller_kill")
+CHEAP_POINTS = ("startup", "print", "checkpoint", "return")
+TORCH_POINTS = ("before_init", "collective")
+
+
+class SoakFault(Exception):
+    """The exception the soak injects."""
+
+
+def fault(kind: str, code: int, main_thread: bool = True) -> None:
+    if kind == "exception":
+        raise SoakFault(f"injected fault in rank {os.environ.get('RANK')}")
+    if kind == "exit":
+        if main_thread:
+            sys.exit(code)
+        sys.stdout.flush()
+        os._exit(code)
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sigsegv":
+        if code % 2:
+            ctypes.string_at(0)  # a real invalid read in native code
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    time.sleep(30)  # a signal on its way
+
+
+class Bomb:
+    """Goes off while the rank's return value is being pickled."""
+
+    def __init__(self, kind: str, code: int) -> None:
+        self.kind, self.code = kind, code
+
+    def __reduce__(self):  # type: ignore[override]
+        fault(self.kind, self.code, main_thread=False)
+        return (Bomb, (self.kind, self.code))
+
+
+def _spawn_child(setsid: bool) -> None:
+    subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        start_new_session=setsid,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _wait_forever() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def soak_rank(plan: dict) -> object:
+    rank = int(os.environ["RANK"])
+    me = rank == plan["victim"]
+    kind, code, point = plan["kind"], plan["code"], plan["point"]
+    caller_side = kind in CALLER_KINDS
+    if plan["child_rank"] == rank:
+        _spawn_child(plan["setsid"])
+    if point == "startup":
+        if me and not caller_side:
+            fault(kind, code)
+    elif point == "print":
+        line = "x" * 100
+        for i in range(plan["lines"]):
+            print(f"{i} {line}")
+        if me and not caller_side:
+            fault(kind, code)
+    elif point == "checkpoint":
+        path = os.path.join(plan["ckpt_dir"], f"ckpt-{plan['seed']}-{rank}.bin")
+        with open(path, "wb") as f:
+            for i in range(64):
+                f.write(b"\0" * 65536)
+                if me and not caller_side and i == plan["step"]:
+                    f.flush()
+                    fault(kind, code)
+        os.unlink(path)
+    elif point == "return":
+        big = b"r" * plan["big"]
+        if me and not caller_side:
+            return [big, Bomb(kind, code)]
+        if plan["others"] == "finish":
+            return [big]
+    elif point in TORCH_POINTS:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        if point == "before_init" and me and not caller_side:
+            fault(kind, code)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        t = torch.ones(4)
+        for step in range(4):
+            if point == "collective" and me and not caller_side and step == plan["step"]:
+                if kind in ("exception", "exit", "hang"):
+                    fault(kind, code)
+                # the victim is blocked inside a gloo op when the fault fires from a thread
+                threading.Timer(0.2, fault, (kind, code, False)).start()
+                dist.recv(torch.zeros(1), src=(rank + 1) % dist.get_world_size())
+            dist.all_reduce(t)
+        if caller_side:
+            _wait_forever()
+        dist.barrier()
+        return t.tolist()
+    if caller_side or plan["others"] == "sleep":
+        _wait_forever()
+    return rank
+
+
+def ok_rank() -> int:
+    return int(os.environ["RANK"])

@@ -1,0 +1,391 @@
+"""Randomized, seeded fault-injection soak.
+
+Each run picks (from its own seed) a world size, a victim rank, a moment and a fault, runs the
+call, and checks: the right root cause (rank, exception type / exit code / signal), no
+surviving process of the run (descendants included), no leaked file descriptors, threads,
+run directories or listening ports in the caller, and that the next call succeeds.
+
+    GANGRUN_SOAK_RUNS=100 pytest -m soak tests/soak          # CI size (default 100)
+    make soak                                                 # 1000 runs
+    GANGRUN_SOAK_SEED=1234 GANGRUN_SOAK_ONLY=57 pytest -m soak tests/soak   # replay one run
+
+A failing run prints its seed and plan; the same seed replays the same plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from soak_faults import (
+    CALLER_KINDS,
+    CHEAP_POINTS,
+    RANK_KINDS,
+    TORCH_POINTS,
+    SoakFault,
+    ok_rank,
+    soak_rank,
+)
+
+import gangrun
+from conftest import assert_no_survivors
+from gangrun import DistributedError, DistributedHangError, DistributedTimeoutError
+from gangrun.errors import DistributedCancelledError
+
+pytestmark = [pytest.mark.soak, pytest.mark.slow]
+
+RUNS = int(os.environ.get("GANGRUN_SOAK_RUNS", "100"))
+BASE_SEED = int(os.environ.get("GANGRUN_SOAK_SEED", str(random.SystemRandom().randrange(10**6))))
+ONLY = os.environ.get("GANGRUN_SOAK_ONLY")
+KINDS = set(filter(None, os.environ.get("GANGRUN_SOAK_KINDS", "").split(",")))  # debug filter
+HERE = Path(__file__).resolve().parent
+
+
+def make_plan(seed: int, ckpt_dir: str) -> dict:
+    rng = random.Random(seed)
+    world = rng.choice([2, 2, 2, 3])
+    kind = rng.choices(RANK_KINDS + CALLER_KINDS, weights=[16, 14, 14, 14, 8, 8, 8, 6], k=1)[0]
+    point = rng.choices(CHEAP_POINTS + TORCH_POINTS, weights=[24, 20, 20, 18, 7, 11], k=1)[0]
+    if kind == "caller_kill" and point in TORCH_POINTS:
+        point = "print"  # keep subprocess-caller runs cheap
+    plan = {
+        "seed": seed,
+        "world": world,
+        "victim": rng.randrange(world),
+        "kind": kind,
+        "code": rng.choice([1, 2, 3, 7, 42, 113, 255]),
+        "point": point,
+        "others": "sleep" if kind in CALLER_KINDS else rng.choice(["sleep", "finish"]),
+        "lines": rng.choice([200, 2000, 20000]),
+        "step": rng.randrange(4),
+        "big": rng.choice([1 << 10, 1 << 20, 8 << 20]),
+        "child_rank": rng.choice([-1, -1, rng.randrange(world)]),
+        "setsid": rng.random() < 0.5,
+        "delay": rng.uniform(0.0, 1.2),
+        "grace": rng.choice([0.2, 0.5, 1.0]),
+        "ckpt_dir": ckpt_dir,
+        # hang: caught by the call's timeout, or by the stuck-rank guard (hang_timeout)
+        "guard": kind == "hang" and rng.random() < 0.5,
+        "caller_signal": rng.choice(["SIGKILL", "SIGINT"]),
+    }
+    if point in TORCH_POINTS:
+        plan["others"] = "sleep"  # peers take part in the collectives
+        plan["delay"] += 1.5  # caller-side faults: let them get into torch
+    return plan
+
+
+# ------------------------------------------------------------------------ leak probes
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _listening() -> set[tuple]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def _gangrun_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("gangrun")]
+
+
+def _run_dirs(tmp: str) -> list[str]:
+    return sorted(p for p in os.listdir(tmp) if p.startswith("gangrun-"))
+
+
+def _settle(check, wait: float = 5.0):
+    deadline = time.monotonic() + wait
+    bad = check()
+    while bad and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+        bad = check()
+    return bad
+
+
+class Baseline:
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        gc.collect()
+        self.fds = _fds()
+        self.listen = _listening()
+        self.threads = {t.ident for t in threading.enumerate()}
+
+    def leaks(self) -> list[str]:
+        out = []
+        fds = _settle(lambda: _fds() - self.fds)
+        if fds:
+            desc = []
+            for fd in sorted(fds):
+                try:
+                    desc.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+                except OSError:
+                    desc.append(fd)
+            out.append(f"leaked fds: {desc}")
+        th = _settle(lambda: [t.name for t in threading.enumerate() if t.ident not in self.threads])
+        if th:
+            out.append(f"leaked threads: {th}")
+        dirs = _settle(lambda: _run_dirs(self.tmp))
+        if dirs:
+            out.append(f"leaked run dirs: {dirs}")
+        ports = _settle(lambda: _listening() - self.listen)
+        if ports:
+            out.append(f"leaked listening ports: {ports}")
+        return out
+
+
+# ------------------------------------------------------------------------ one run
+def _expect_rank_fault(plan: dict, err: BaseException | None) -> str | None:
+    """None if ``err`` is the right root cause for ``plan``, else what is wrong."""
+    kind, victim, point = plan["kind"], plan["victim"], plan["point"]
+    if err is None:
+        return "the call returned although a rank failed"
+    if kind == "hang" and plan["guard"]:
+        if not isinstance(err, DistributedHangError):
+            return f"expected DistributedHangError, got {type(err).__name__}: {err}"
+        # sleeping peers are silent too: the guard may catch one of them before the victim
+        if not err.ranks or (plan["others"] == "finish" and err.ranks != [victim]):
+            return f"hung rank {victim}: silent ranks reported {err.ranks}: {err}"
+        if not all(err.stacks.get(r) for r in err.ranks):
+            return f"no stack for a silent rank: {err.stacks}"
+        return None
+    if kind == "hang":
+        if not isinstance(err, DistributedTimeoutError):
+            return f"expected DistributedTimeoutError, got {type(err).__name__}: {err}"
+        return None
+    if not isinstance(err, DistributedError) or isinstance(
+        err, (DistributedTimeoutError, DistributedCancelledError)
+    ):
+        return f"expected a rank failure, got {type(err).__name__}: {err}"
+    if err.rank != victim:
+        return f"root cause rank {err.rank}, expected {victim}: {str(err)[:800]}"
+    if kind == "exception":
+        if point == "return":
+            if err.exc_type != "ResultSerializationError":
+                return f"exc_type {err.exc_type!r}, expected ResultSerializationError"
+        elif not (str(err.exc_type).endswith("SoakFault") and isinstance(err.__cause__, SoakFault)):
+            return f"exc_type {err.exc_type!r} cause {err.__cause__!r}, expected SoakFault"
+    elif kind == "exit":
+        if err.exitcode != plan["code"]:
+            return f"exitcode {err.exitcode}, expected {plan['code']}: {str(err)[:500]}"
+    elif kind == "sigkill":
+        if err.signal != "SIGKILL":
+            return f"signal {err.signal} (exitcode {err.exitcode}), expected SIGKILL"
+    elif kind == "sigsegv" and err.signal != "SIGSEGV":
+        return f"signal {err.signal} (exitcode {err.exitcode}), expected SIGSEGV"
+    return None
+
+
+def _timeout_for(plan: dict) -> float:
+    if plan["kind"] == "hang" and not plan["guard"]:
+        return 5.0 if plan["point"] in TORCH_POINTS else 2.0
+    return 90.0
+
+
+def _run_in_process(plan: dict) -> str | None:
+    fn = gangrun.distributed(
+        processes=plan["world"],
+        mlflow=False,
+        timeout=_timeout_for(plan),
+        grace_period=plan["grace"],
+        hang_timeout=(3.0 if plan["point"] in TORCH_POINTS else 1.0) if plan["guard"] else None,
+        output="none" if plan["lines"] > 2000 else "all",
+    )(soak_rank)
+    kind = plan["kind"]
+    if kind == "cancel":
+        handle = fn.submit(plan)
+        time.sleep(plan["delay"])
+        handle.cancel()
+        try:
+            handle.result(timeout=30)
+        except DistributedCancelledError:
+            return None
+        except BaseException as exc:
+            return f"expected DistributedCancelledError, got {type(exc).__name__}: {exc}"
+        finally:
+            del handle
+        return "the call returned after cancel()"
+    if kind == "interrupt":
+        main = threading.main_thread().ident
+        assert main is not None
+        timer = threading.Timer(plan["delay"], signal.pthread_kill, (main, signal.SIGINT))
+        outcome = None
+        try:
+            try:
+                timer.start()
+                fn.distributed(plan)
+                outcome = "the call returned although the caller was interrupted"
+            except KeyboardInterrupt:
+                outcome = None
+            except BaseException as exc:
+                outcome = f"expected KeyboardInterrupt, got {type(exc).__name__}: {exc}"
+            timer.join()
+        except KeyboardInterrupt:  # arrived late, outside the call
+            timer.join()
+            outcome = "KeyboardInterrupt arrived after the call had ended"
+        return outcome
+    err = None
+    try:
+        fn.distributed(plan)
+    except BaseException as exc:
+        err = exc
+    try:
+        return _expect_rank_fault(plan, err)
+    finally:
+        del err
+
+
+def _run_caller_kill(plan: dict, tmp: str) -> str | None:
+    """A caller subprocess is SIGKILLed (nothing can clean up in it: the ranks must notice) or
+    SIGINTed (Ctrl-C in a terminal: KeyboardInterrupt, the call stops its ranks and the
+    caller exits, leaving no run directory either)."""
+    import shutil
+    import subprocess
+
+    code = (
+        "import sys, json, signal\n"
+        # a shell's background job starts with SIGINT ignored; a terminal's Ctrl-C must work
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "from soak_faults import soak_rank\n"
+        "import gangrun\n"
+        "plan = json.loads(sys.argv[1])\n"
+        "fn = gangrun.distributed(processes=plan['world'], mlflow=False, timeout=90, output='none', grace_period=plan['grace'])(soak_rank)\n"
+        "fn.distributed(plan)\n"
+    )
+    for name in _run_dirs(tmp):
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    env = dict(os.environ, TMPDIR=tmp)
+    errfile = os.path.join(tmp, "caller.err")
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(plan)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    problem = None
+    try:
+        time.sleep(plan["delay"])
+        sig = signal.SIGINT if plan["caller_signal"] == "SIGINT" else signal.SIGKILL
+        proc.send_signal(sig)
+        try:
+            rc = proc.wait(70)
+        except subprocess.TimeoutExpired:
+            return f"the caller did not exit within 70s of {plan['caller_signal']}"
+        if sig == signal.SIGINT:
+            with open(errfile) as f:
+                text = f.read()
+            if rc not in (1, -signal.SIGINT):
+                problem = f"caller exit code {rc} after SIGINT: {text[-1500:]}"
+            elif rc == 1 and "KeyboardInterrupt" not in text:
+                problem = f"caller exit code 1 without KeyboardInterrupt: {text[-1500:]}"
+            left = _run_dirs(tmp)
+            if left and problem is None:
+                problem = f"interrupted caller left run dirs {left}: {text[-1500:]}"
+        assert_no_survivors(proc.pid, wait=10.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    # a SIGKILLed caller cannot remove its run directory: not counted as a leak of *this* caller
+    for name in _run_dirs(tmp):
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    return problem
+
+
+def _next_call_ok() -> str | None:
+    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(ok_rank)
+    try:
+        got = fn.distributed()
+    except BaseException as exc:
+        return f"the next call failed: {type(exc).__name__}: {exc}"
+    return None if got == [0, 1] else f"the next call returned {got}"
+
+
+@pytest.mark.timeout(120 + 12 * RUNS)
+def test_soak(tmp_path, monkeypatch, capsys, request):
+    # Started as a shell background job, this process has SIGINT ignored and Python keeps it
+    # so: an interrupt would be lost. Simulate what a terminal or a Jupyter kernel provides.
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, saved))
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    caller_tmp = tmp_path / "caller_tmp"
+    caller_tmp.mkdir()
+
+    _next_call_ok()  # warm: imports, first-call costs out of the baseline
+    base = Baseline(str(private_tmp))
+    counts: collections.Counter = collections.Counter()
+    failures: list[str] = []
+    indices = [int(ONLY)] if ONLY is not None else range(RUNS)
+    t0 = time.monotonic()
+    for i in indices:
+        plan = make_plan(BASE_SEED + i, str(ckpt))
+        if KINDS and plan["kind"] not in KINDS:
+            continue
+        started = time.monotonic()
+        try:
+            if plan["kind"] == "caller_kill":
+                problem = _run_caller_kill(plan, str(caller_tmp))
+            else:
+                problem = _run_in_process(plan)
+            problems = [problem] if problem else []
+            try:
+                assert_no_survivors(wait=10.0)
+            except AssertionError as exc:
+                problems.append(str(exc))
+            nxt = _next_call_ok()
+            if nxt:
+                problems.append(nxt)
+            problems += base.leaks()
+        except BaseException as exc:  # the soak itself must report, not die
+            problems = [f"soak harness error: {type(exc).__name__}: {exc}"]
+        label = plan["kind"]
+        if label == "caller_kill":
+            label = f"caller_{plan['caller_signal']}"
+        elif label == "hang":
+            label = "hang_guard" if plan["guard"] else "hang_timeout"
+        counts[(label, plan["point"])] += 1
+        counts["runs"] += 1
+        if problems:
+            counts["failed"] += 1
+            failures.append(
+                f"run {i} seed {plan['seed']} ({time.monotonic() - started:.1f}s) plan={plan}: "
+                + " | ".join(problems)
+            )
+            base = Baseline(str(private_tmp))  # report each leak once
+    elapsed = time.monotonic() - t0
+    with capsys.disabled():
+        by_kind: collections.Counter = collections.Counter()
+        by_point: collections.Counter = collections.Counter()
+        for k, v in counts.items():
+            if isinstance(k, tuple):
+                by_kind[k[0]] += v
+                by_point[k[1]] += v
+        print(
+            f"\nsoak: base seed {BASE_SEED}, {counts['runs']} runs in {elapsed:.0f}s, "
+            f"{counts['failed']} failed; by fault: {dict(sorted(by_kind.items()))}; "
+            f"by point: {dict(sorted(by_point.items()))}"
+        )
+        for f in failures:
+            print("FAILED", f)
+    assert not failures, f"{len(failures)} soak runs failed (base seed {BASE_SEED}):\n" + "\n".join(
+        failures[:20]
+    )
