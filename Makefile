@@ -32,7 +32,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests/unit
 
 soak: $(STAMP)
-	GANGRUN_SOAK_RUNS=$${GANGRUN_SOAK_RUNS:-1000} $(PY) -m pytest -q -m soak tests/soak
+	GANGRUN_SOAK_RUNS=$${GANGRUN_SOAK_RUNS:-1000} GANGRUN_SOAK_SEED=$${GANGRUN_SOAK_SEED:-$$(od -An -N3 -tu4 /dev/urandom | tr -d " ")} \
+		$(PY) -m pytest -q -s -m soak tests/soak
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples bench
