@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import functools
 import numbers
+import shutil
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -111,6 +112,14 @@ class Options:
         return self
 
 
+def _release_run(ref: Any, run_dir: str) -> None:
+    run = ref()
+    if run is not None:
+        run.release()
+    elif run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 class RunHandle(Generic[R]):
     """A running (or finished) call, returned by ``submit()``."""
 
@@ -119,7 +128,9 @@ class RunHandle(Generic[R]):
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
         # A handle dropped while its call still runs must not pull the files from under it:
         # the run then removes its directory itself when it ends.
-        self._finalizer = weakref.finalize(self, run.release)
+        # The callback holds the run only weakly: run -> error -> handle would otherwise keep
+        # the handle alive from the finalizer registry forever.
+        self._finalizer = weakref.finalize(self, _release_run, weakref.ref(run), run.run_dir)
 
     @property
     def run_id(self) -> str:

@@ -294,3 +294,16 @@ def test_escaped_grandchildren_are_swept(tmp_path, start_method):
     pids = pids_in(tmp_path)
     assert len(pids) == 4
     assert not pids_alive(pids)
+
+
+def test_failed_call_keeps_logs_while_the_error_lives(tmp_path):
+    import gc
+
+    with pytest.raises(DistributedError) as ei:
+        run2(rankfns.fail_on_rank1).distributed("exit3", str(tmp_path))
+    run_dir = os.path.dirname(ei.value.handle.log_dir)
+    assert os.path.isdir(run_dir)
+    assert isinstance(ei.value.logs(1), str)
+    del ei
+    gc.collect()
+    assert not os.path.exists(run_dir)
