@@ -69,6 +69,51 @@ def _tail(path: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _process_identity(pid: int) -> str | None:
+    """``"pid:start-ticks"``: names one process for its whole life (pids are reused)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f"{pid}:{int(f.read().rsplit(b')', 1)[1].split()[19])}"
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_reaped_stale = False
+
+
+def reap_stale_run_dirs() -> list[str]:
+    """Remove run directories (payloads, logs) left in the temp dir by callers of this user
+    that died without cleaning up (SIGKILL, a kernel restart). Once per process; cheap."""
+    global _reaped_stale
+    if _reaped_stale:
+        return []
+    _reaped_stale = True
+    removed: list[str] = []
+    tmp = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith("gangrun-")]
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+            if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            with open(os.path.join(path, "context.json")) as f:
+                caller = json.load(f).get("caller")
+        except (OSError, ValueError):
+            continue
+        if not caller:
+            continue
+        pid = int(caller.split(":", 1)[0])
+        if _process_identity(pid) != caller:  # that caller is gone
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class Run:
     def __init__(
         self,
@@ -210,6 +255,7 @@ class Run:
         )
 
     def _make_dirs(self) -> None:
+        reap_stale_run_dirs()
         self.run_dir = tempfile.mkdtemp(prefix=f"gangrun-{self.run_id}-")
         os.chmod(self.run_dir, 0o700)
         if self.opts.log_dir:
@@ -218,7 +264,12 @@ class Run:
         else:
             self.log_dir = os.path.join(self.run_dir, "logs")
             os.mkdir(self.log_dir, 0o700)
-        ctx = {"sys_path": [p for p in sys.path], "cwd": os.getcwd(), "argv": list(sys.argv[:1])}
+        ctx = {
+            "sys_path": [p for p in sys.path],
+            "cwd": os.getcwd(),
+            "argv": list(sys.argv[:1]),
+            "caller": _process_identity(os.getpid()),
+        }
         fd = os.open(os.path.join(self.run_dir, "context.json"), os.O_WRONLY | os.O_CREAT, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(ctx, f)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import _thread
+import json
 import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -216,9 +218,11 @@ def test_function_and_class_defined_in_main(script):
     assert_no_survivors(proc.pid)
 
 
-def test_caller_sigkilled_mid_run(script, tmp_path):
+def test_caller_sigkilled_mid_run(script, tmp_path, monkeypatch):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
     proc = script(
         f"""
         import sys
@@ -226,7 +230,8 @@ def test_caller_sigkilled_mid_run(script, tmp_path):
         import rankfns
         from gangrun import distributed
         distributed(processes=2, mlflow=False)(rankfns.sleeper).distributed({str(pid_dir)!r})
-        """
+        """,
+        env={"TMPDIR": str(private_tmp)},
     )
     deadline = time.monotonic() + 60
     while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
@@ -240,6 +245,20 @@ def test_caller_sigkilled_mid_run(script, tmp_path):
         time.sleep(0.02)
     assert not pids_alive(pids), "ranks outlived their SIGKILLed caller"
     assert_no_survivors(proc.pid)
+    # its run directory (payload, logs) is removed by the next caller of this user
+    import gangrun.run
+
+    left = [p for p in private_tmp.iterdir() if p.name.startswith("gangrun-")]
+    assert len(left) == 1
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
+    monkeypatch.setattr(gangrun.run, "_reaped_stale", False)
+    mine = private_tmp / "gangrun-alive"
+    mine.mkdir(mode=0o700)
+    (mine / "context.json").write_text(
+        json.dumps({"caller": gangrun.run._process_identity(os.getpid())})
+    )
+    assert gangrun.run.reap_stale_run_dirs() == [str(left[0])]
+    assert not left[0].exists() and mine.exists()  # a live caller's directory stays
 
 
 def test_result_timeout_does_not_kill_and_error_pickles(tmp_path):
