@@ -90,12 +90,8 @@ class HangGuard:
         self.stalled: list[int] = []
         self.idle: dict[int, float] = {}
         self.stacks: dict[int, str] = {}
-        for r in range(world_size):
-            for p in (heartbeat_path(run_dir, r), stacks_path(run_dir, r)):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+        # No clean-up of heartbeat/stack files here: the ranks may already have created them
+        # (a forked rank boots in milliseconds). The run clears them before each new attempt.
 
     @property
     def poll_interval(self) -> float:

@@ -562,7 +562,7 @@ class Run:
 
     def _clear_attempt_files(self) -> None:
         for name in os.listdir(self.run_dir):
-            if name.startswith(("result.", "error.")):
+            if name.startswith(("result.", "error.", "heartbeat.", "stacks.")):
                 try:
                     os.unlink(os.path.join(self.run_dir, name))
                 except OSError:
