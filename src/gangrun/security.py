@@ -8,7 +8,6 @@ write. A run directory or file that fails the check is never loaded.
 from __future__ import annotations
 
 import os
-import pickle
 import stat
 from typing import Any
 
@@ -63,7 +62,9 @@ def load_private(path: str) -> Any:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             check_private_file(path)  # raises with the precise reason
             raise UnsafePathError(f"{path} is not a private file of this user; not loading it.")
-        return pickle.load(f)
+        from .serialization import load_file
+
+        return load_file(f)  # type: ignore[arg-type]
 
 
 __all__ = ["UnsafePathError", "check_private_dir", "check_private_file", "load_private"]

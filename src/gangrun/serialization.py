@@ -12,6 +12,8 @@ import inspect
 import io
 import os
 import pickle
+import struct
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
@@ -176,13 +178,120 @@ def _too_large(fn: Callable[..., Any], args: tuple, kwargs: dict, limit: int) ->
     )
 
 
+# -- results: pickle protocol 5 with large buffers out of band ------------------------------
+#
+# A rank's return value is written as: MAGIC, the pickle stream's length and the stream, then
+# each out-of-band buffer (length + raw bytes). Large CPU tensors and numpy arrays travel as
+# such buffers: written straight from their memory, read back with one ``readinto`` into the
+# memory the caller's tensor then uses. torch's own pickling of a tensor would go through an
+# in-memory ``torch.save`` and copy the data several times on each side.
+
+MAGIC = b"GANGRUN-OOB1\n"
+_OOB_MIN_BYTES = 1 << 16
+_LEN = struct.Struct("<Q")
+
+
+def _rebuild_tensor(data: Any, dtype: str, shape: tuple, requires_grad: bool) -> Any:
+    import torch
+
+    flat = torch.from_numpy(data) if not isinstance(data, torch.Tensor) else data
+    t = flat.view(getattr(torch, dtype)).reshape(shape)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _tensor_reducer(obj: Any) -> Any:
+    """Out-of-band reduction of a plain dense CPU tensor that owns its whole storage, or
+    ``NotImplemented`` (torch's own pickling then applies)."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        return NotImplemented
+    try:
+        if (
+            obj.device.type != "cpu"
+            or obj.layout != torch.strided
+            or obj.is_quantized
+            or obj.is_conj()
+            or obj.is_neg()
+            or not obj.is_contiguous()
+            or obj.storage_offset() != 0
+            or obj.untyped_storage().nbytes() != obj.numel() * obj.element_size()
+            or obj.numel() * obj.element_size() < _OOB_MIN_BYTES
+            or (obj.requires_grad and not obj.is_leaf)
+        ):
+            return NotImplemented
+        raw = obj.detach().reshape(-1).view(torch.uint8).numpy()
+    except Exception:
+        return NotImplemented
+    dtype = str(obj.dtype).removeprefix("torch.")
+    return (_rebuild_tensor, (raw, dtype, tuple(obj.shape), bool(obj.requires_grad)))
+
+
+def _result_pickler(f: Any, buffers: list) -> Any:
+    cp = _cloudpickle()
+
+    class _Pickler(cp.Pickler):  # type: ignore[misc,name-defined]
+        def reducer_override(self, obj: Any) -> Any:
+            r = _tensor_reducer(obj)
+            if r is not NotImplemented:
+                return r
+            return super().reducer_override(obj)
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < _OOB_MIN_BYTES:
+            return True  # small: in band
+        buffers.append(buf)
+        return False
+
+    return _Pickler(f, protocol=PROTOCOL, buffer_callback=keep)
+
+
+def dump_result(obj: Any, f: BinaryIO) -> None:
+    buffers: list[pickle.PickleBuffer] = []
+    head = io.BytesIO()
+    _result_pickler(head, buffers).dump(obj)
+    f.write(MAGIC)
+    f.write(_LEN.pack(head.tell()))
+    f.write(head.getbuffer())
+    f.write(_LEN.pack(len(buffers)))
+    for b in buffers:
+        raw = b.raw()
+        f.write(_LEN.pack(raw.nbytes))
+        f.write(raw)
+
+
+def load_file(f: BinaryIO) -> Any:
+    """Load what :func:`atomic_dump` wrote (or a plain pickle)."""
+    start = f.read(len(MAGIC))
+    if start != MAGIC:
+        f.seek(0)
+        return pickle.load(f)
+    (n,) = _LEN.unpack(f.read(_LEN.size))
+    stream = f.read(n)
+    (count,) = _LEN.unpack(f.read(_LEN.size))
+    buffers = []
+    for _ in range(count):
+        (size,) = _LEN.unpack(f.read(_LEN.size))
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            k = f.readinto(view[got:])  # type: ignore[attr-defined]
+            if not k:
+                raise EOFError("truncated result file")
+            got += k
+        buffers.append(buf)
+    return pickle.loads(stream, buffers=buffers)
+
+
 def atomic_dump(obj: Any, path: str) -> None:
     """Write ``obj`` to ``path`` atomically: temp name in the same directory, then rename."""
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            _cloudpickle().dump(obj, f, protocol=PROTOCOL)
+            dump_result(obj, f)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -194,4 +303,4 @@ def atomic_dump(obj: Any, path: str) -> None:
 
 def load_path(path: str) -> Any:
     with open(path, "rb") as f:
-        return pickle.load(f)
+        return load_file(f)

@@ -72,3 +72,41 @@ def test_atomic_dump(tmp_path):
 def test_human_bytes():
     assert serialization.human_bytes(512) == "512 B"
     assert serialization.human_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_result_file_roundtrip_with_tensors_out_of_band(tmp_path):
+    import numpy as np
+    import torch
+
+    big = torch.arange(100_000, dtype=torch.float32).reshape(100, 1000)
+    half = torch.ones(70_000, dtype=torch.bfloat16)
+    param = torch.nn.Parameter(torch.randn(200, 200))
+    view = big[:, :10]  # a view: not out of band, torch's own pickling
+    small = torch.ones(3)
+    arr = np.arange(50_000, dtype=np.int64)
+    obj = {"big": big, "half": half, "p": param, "view": view, "small": small, "arr": arr}
+    obj["again"] = big  # identity kept
+    p = tmp_path / "r.pkl"
+    serialization.atomic_dump(obj, str(p))
+    assert p.read_bytes().startswith(serialization.MAGIC)
+    back = serialization.load_path(str(p))
+    assert torch.equal(back["big"], big) and back["big"].shape == (100, 1000)
+    assert back["half"].dtype == torch.bfloat16 and torch.equal(back["half"], half)
+    assert isinstance(back["p"], torch.Tensor) and back["p"].requires_grad
+    assert torch.equal(back["p"].detach(), param.detach())
+    assert torch.equal(back["view"], view) and torch.equal(back["small"], small)
+    assert np.array_equal(back["arr"], arr)
+    assert back["again"] is back["big"]
+    back["big"][0, 0] = -1.0  # writable, owned memory
+    # the file is about the size of the data: no copies inside the pickle stream (the view
+    # goes through torch's own pickling, which carries its whole storage: big.nbytes again)
+    data_bytes = big.nbytes + half.nbytes + param.nbytes + arr.nbytes + big.nbytes
+    assert p.stat().st_size < data_bytes + (1 << 16)
+
+
+def test_plain_pickle_files_still_load(tmp_path):
+    import pickle
+
+    p = tmp_path / "old.pkl"
+    p.write_bytes(pickle.dumps({"x": 1}))
+    assert serialization.load_path(str(p)) == {"x": 1}
