@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -182,13 +183,14 @@ def _too_large(fn: Callable[..., Any], args: tuple, kwargs: dict, limit: int) ->
 #
 # A rank's return value is written as: MAGIC, the pickle stream's length and the stream, then
 # each out-of-band buffer (length + raw bytes). Large CPU tensors and numpy arrays travel as
-# such buffers: written straight from their memory, read back with one ``readinto`` into the
-# memory the caller's tensor then uses. torch's own pickling of a tensor would go through an
+# such buffers: written straight from their memory, each page-aligned, and mapped back
+# (private, copy-on-write) by the caller: the caller's tensor uses the file's pages directly. torch's own pickling of a tensor would go through an
 # in-memory ``torch.save`` and copy the data several times on each side.
 
 MAGIC = b"GANGRUN-OOB1\n"
 _OOB_MIN_BYTES = 1 << 16
 _LEN = struct.Struct("<Q")
+_PAGE = mmap.ALLOCATIONGRANULARITY
 
 
 def _rebuild_tensor(data: Any, dtype: str, shape: tuple, requires_grad: bool) -> Any:
@@ -255,10 +257,15 @@ def dump_result(obj: Any, f: BinaryIO) -> None:
     f.write(_LEN.pack(head.tell()))
     f.write(head.getbuffer())
     f.write(_LEN.pack(len(buffers)))
+    pos = len(MAGIC) + 2 * _LEN.size + head.tell()
     for b in buffers:
         raw = b.raw()
+        pos += _LEN.size
+        pad = -pos % _PAGE  # each buffer starts on a page: the caller maps it in place
         f.write(_LEN.pack(raw.nbytes))
+        f.write(b"\0" * pad)
         f.write(raw)
+        pos += pad + raw.nbytes
 
 
 def load_file(f: BinaryIO) -> Any:
@@ -270,18 +277,24 @@ def load_file(f: BinaryIO) -> Any:
     (n,) = _LEN.unpack(f.read(_LEN.size))
     stream = f.read(n)
     (count,) = _LEN.unpack(f.read(_LEN.size))
-    buffers = []
+    buffers: list[Any] = []
+    pos = len(MAGIC) + 2 * _LEN.size + n
     for _ in range(count):
         (size,) = _LEN.unpack(f.read(_LEN.size))
-        buf = bytearray(size)
-        view = memoryview(buf)
-        got = 0
-        while got < size:
-            k = f.readinto(view[got:])  # type: ignore[attr-defined]
-            if not k:
-                raise EOFError("truncated result file")
-            got += k
-        buffers.append(buf)
+        pos += _LEN.size
+        pos += -pos % _PAGE
+        # A private, writable mapping of the file's pages: no copy of the data; the pages stay
+        # valid after the file is removed, and writes to them never reach the file.
+        mm = mmap.mmap(
+            f.fileno(),  # type: ignore[attr-defined]
+            size,
+            flags=mmap.MAP_PRIVATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            offset=pos,
+        )
+        buffers.append(mm)
+        pos += size
+        f.seek(pos)
     return pickle.loads(stream, buffers=buffers)
 
 
