@@ -773,26 +773,40 @@ class ForkServerGang:
                     except OSError:
                         pass
         self.server_pid = server.pid
-        for (out_r, err_r, st_r, rank), pid in zip(keep, pids, strict=True):
-            self._pids[rank] = pid
-            self._done[rank] = threading.Event()
-            log_fd = os.open(
-                os.path.join(spec.log_dir, f"rank-{rank}.log"),
-                os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                0o600,
-            )
-            log = os.fdopen(log_fd, "ab", buffering=0)
-            self._logs.append(log)
-            self.pump.add(rank, "out", out_r, log)
-            self.pump.add(rank, "err", err_r, log)
-            t = threading.Thread(
-                target=self._wait,
-                args=(rank, pid, st_r),
-                name=f"gangrun-wait-{rank}",
-                daemon=True,
-            )
-            t.start()
-            self._waiters.append(t)
+        # fds not yet handed to their owner (the pump, a waiter thread): closed here if the
+        # hand-over is interrupted (e.g. Ctrl-C just after the fork), so none leaks
+        pending = [set(k[:3]) for k in keep]
+        try:
+            for (out_r, err_r, st_r, rank), pid, mine in zip(keep, pids, pending, strict=True):
+                self._pids[rank] = pid
+                self._done[rank] = threading.Event()
+                log_fd = os.open(
+                    os.path.join(spec.log_dir, f"rank-{rank}.log"),
+                    os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                    0o600,
+                )
+                log = os.fdopen(log_fd, "ab", buffering=0)
+                self._logs.append(log)
+                self.pump.add(rank, "out", out_r, log)
+                mine.discard(out_r)
+                self.pump.add(rank, "err", err_r, log)
+                mine.discard(err_r)
+                t = threading.Thread(
+                    target=self._wait,
+                    args=(rank, pid, st_r),
+                    name=f"gangrun-wait-{rank}",
+                    daemon=True,
+                )
+                t.start()
+                mine.discard(st_r)
+                self._waiters.append(t)
+        except BaseException:
+            for fd in [fd for mine in pending for fd in mine]:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise
 
     def _discard_partial(self) -> None:
         """Forget ranks of a failed start (nothing was forked, or they die with the server)."""
