@@ -67,7 +67,25 @@ def _watch_liveness(fd: int) -> None:
     _kill_own_tree()
 
 
+_liveness_fd = -1
+
+
+def caller_gone() -> bool:
+    """True when the caller's end of the liveness pipe is closed (the caller died)."""
+    if _liveness_fd < 0:
+        return False
+    import select
+
+    try:
+        p = select.poll()
+        p.register(_liveness_fd, select.POLLIN | select.POLLHUP)
+        return bool(p.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def start_liveness_watchdog() -> None:
+    global _liveness_fd
     fd_s = os.environ.get("GANGRUN_LIVENESS_FD")
     if not fd_s:
         return
@@ -76,6 +94,7 @@ def start_liveness_watchdog() -> None:
         os.set_inheritable(fd, False)
     except OSError:
         return
+    _liveness_fd = fd
     t = threading.Thread(target=_watch_liveness, args=(fd,), name="gangrun-liveness", daemon=True)
     t.start()
 
@@ -121,6 +140,10 @@ def _write_error(run_dir: str, rank: int, record: dict[str, Any]) -> None:
 
 
 def _flush_and_exit(code: int) -> None:
+    if caller_gone():
+        # The caller died and the rank ends on its own (e.g. a broken stdout pipe) before the
+        # watchdog acted: take the rank's descendants along, as the watchdog would.
+        _kill_own_tree()
     for hook in before_exit:
         try:
             hook()
