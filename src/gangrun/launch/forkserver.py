@@ -40,7 +40,15 @@ import time
 from typing import Any
 
 from . import GangSpec, RankExit
-from .local import _GANGRUN_PARENT, LocalGang, _signal_tree, sweep, ticks_now, wait_gone
+from .local import (
+    _GANGRUN_PARENT,
+    LocalGang,
+    _signal_tree,
+    release_gang,
+    sweep,
+    ticks_now,
+    wait_gone,
+)
 
 PAD_VAR = "GANGRUN_ENVIRON_PAD"
 PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's environment
@@ -906,17 +914,7 @@ class ForkServerGang:
         if self._fallback is not None:
             self._fallback.close()
             return
-        if self._live_w != -1:
-            os.close(self._live_w)
-            self._live_w = -1
-        for t in self._waiters:
-            t.join(1.0)
-        for log in self._logs:
-            try:
-                log.close()
-            except Exception:
-                pass
-        self._logs.clear()
+        release_gang(self)
 
 
 def server_info() -> dict[str, Any] | None:

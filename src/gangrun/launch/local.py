@@ -115,6 +115,22 @@ def wait_gone(pid: int, timeout: float) -> None:
         os.close(pfd)
 
 
+def release_gang(gang: Any) -> None:
+    """Close what a gang holds once its ranks are gone: the caller's end of the liveness
+    pipe, the exit-waiter threads, the log files (shared by every launcher's ``close()``)."""
+    if gang._live_w != -1:
+        os.close(gang._live_w)
+        gang._live_w = -1
+    for t in gang._waiters:
+        t.join(1.0)
+    for log in gang._logs:
+        try:
+            log.close()
+        except Exception:
+            pass
+    gang._logs.clear()
+
+
 class LocalGang:
     """The rank processes of one attempt of one call."""
 
@@ -214,14 +230,4 @@ class LocalGang:
         sweep(self.spec.run_id, self._since_ticks)
 
     def close(self) -> None:
-        if self._live_w != -1:
-            os.close(self._live_w)
-            self._live_w = -1
-        for t in self._waiters:
-            t.join(1.0)
-        for log in self._logs:
-            try:
-                log.close()
-            except Exception:
-                pass
-        self._logs.clear()
+        release_gang(self)
