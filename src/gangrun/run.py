@@ -28,6 +28,7 @@ from .errors import (
     signal_name,
 )
 from .launch import GangSpec, RankExit, RankSpec
+from .platform import cpu_count, process_identity
 
 _CANCEL = -1
 _active_lock = threading.Lock()
@@ -50,13 +51,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     return port
 
 
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover
-        return os.cpu_count() or 1
-
-
 def _tail(path: str, lines: int = 30) -> str:
     try:
         with open(path, "rb") as f:
@@ -67,15 +61,6 @@ def _tail(path: str, lines: int = 30) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _process_identity(pid: int) -> str | None:
-    """``"pid:start-ticks"``: names one process for its whole life (pids are reused)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f"{pid}:{int(f.read().rsplit(b')', 1)[1].split()[19])}"
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 _reaped_stale = False
@@ -108,7 +93,7 @@ def reap_stale_run_dirs() -> list[str]:
         if not caller:
             continue
         pid = int(caller.split(":", 1)[0])
-        if _process_identity(pid) != caller:  # that caller is gone
+        if process_identity(pid) != caller:  # that caller is gone
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -268,7 +253,7 @@ class Run:
             "sys_path": [p for p in sys.path],
             "cwd": os.getcwd(),
             "argv": list(sys.argv[:1]),
-            "caller": _process_identity(os.getpid()),
+            "caller": process_identity(os.getpid()),
         }
         fd = os.open(os.path.join(self.run_dir, "context.json"), os.O_WRONLY | os.O_CREAT, 0o600)
         with os.fdopen(fd, "w") as f:

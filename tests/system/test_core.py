@@ -255,7 +255,7 @@ def test_caller_sigkilled_mid_run(script, tmp_path, monkeypatch):
     mine = private_tmp / "gangrun-alive"
     mine.mkdir(mode=0o700)
     (mine / "context.json").write_text(
-        json.dumps({"caller": gangrun.run._process_identity(os.getpid())})
+        json.dumps({"caller": gangrun.platform.process_identity(os.getpid())})
     )
     assert gangrun.run.reap_stale_run_dirs() == [str(left[0])]
     assert not left[0].exists() and mine.exists()  # a live caller's directory stays

@@ -39,16 +39,10 @@ import threading
 import time
 from typing import Any
 
+from ..platform import signal_tree as _signal_tree
+from ..platform import sweep, ticks_now, wait_gone
 from . import GangSpec, RankExit
-from .local import (
-    _GANGRUN_PARENT,
-    LocalGang,
-    _signal_tree,
-    release_gang,
-    sweep,
-    ticks_now,
-    wait_gone,
-)
+from .local import _GANGRUN_PARENT, LocalGang, release_gang
 
 PAD_VAR = "GANGRUN_ENVIRON_PAD"
 PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's environment

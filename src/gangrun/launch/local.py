@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -23,96 +22,12 @@ import threading
 import time
 from typing import Any
 
+from ..platform import signal_tree as _signal_tree
+from ..platform import sweep, ticks_now
 from . import GangSpec, RankExit
 
 _BOOT = "import sys; sys.path.insert(0, {path!r}); from gangrun.worker import main; main()"
 _GANGRUN_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _signal_tree(pids: list[int], sig: int) -> None:
-    """Send ``sig`` to each rank's process group and to every live descendant."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        psutil = None  # type: ignore[assignment]
-    victims: list[Any] = []
-    for pid in pids:
-        if psutil is not None:
-            try:
-                victims.extend(psutil.Process(pid).children(recursive=True))
-            except Exception:
-                pass
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for v in victims:
-        try:
-            v.send_signal(sig)
-        except Exception:
-            pass
-
-
-def ticks_now(slack_s: float = 2.0) -> int:
-    """Now minus ``slack_s``, in the clock ticks since boot that ``/proc/PID/stat`` uses for
-    process start times (0 when unknown: then :func:`sweep` looks at every process)."""
-    try:
-        with open("/proc/uptime", "rb") as f:
-            up = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-    return max(0, int((up - slack_s) * os.sysconf("SC_CLK_TCK")))
-
-
-def sweep(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[int]:
-    """Kill any process still carrying this run's id in its environment (a descendant that
-    left its rank's process group, e.g. with ``setsid``). Reads ``/proc`` directly and only
-    the environment of processes started since ``since_ticks`` (see :func:`ticks_now`): a
-    few ms. Returns the pids it signalled."""
-    marker = f"\0GANGRUN_RUN_ID={run_id}\0".encode()
-    me = os.getpid()
-    hit: list[int] = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:  # pragma: no cover - no procfs
-        return hit
-    for name in names:
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            if since_ticks:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[19]) < since_ticks:
-                        continue
-            with open(f"/proc/{name}/environ", "rb") as f:
-                data = b"\0" + f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if marker in data:
-            try:
-                os.kill(int(name), sig)
-                hit.append(int(name))
-            except OSError:
-                pass
-    if sig == signal.SIGKILL:  # gone when the call returns, not a moment later
-        deadline = time.monotonic() + 2.0
-        for pid in hit:
-            wait_gone(pid, max(0.0, deadline - time.monotonic()))
-    return hit
-
-
-def wait_gone(pid: int, timeout: float) -> None:
-    """Wait until ``pid`` (not necessarily our child) has exited, via a pidfd."""
-    try:
-        pfd = os.pidfd_open(pid)
-    except (OSError, AttributeError):
-        return
-    try:
-        p = select.poll()
-        p.register(pfd, select.POLLIN)
-        p.poll(int(timeout * 1000))
-    finally:
-        os.close(pfd)
 
 
 def release_gang(gang: Any) -> None:

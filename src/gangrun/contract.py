@@ -1,0 +1,60 @@
+"""The caller <-> rank contract: every ``GANGRUN_*`` environment variable in one place.
+
+Set by the caller for each rank (read by the rank side, :mod:`gangrun.worker`):
+
+==============================  ==========================================================
+``GANGRUN_RUN_ID``              the call's id; also the marker the teardown sweep looks
+                                for in ``/proc/PID/environ`` (descendants that left the
+                                rank's process group are found by it)
+``GANGRUN_RUN_DIR``             the private (0700) run directory (:class:`gangrun.rundir.RunDir`)
+``GANGRUN_CALLER_PID``          the caller's pid (diagnostics)
+``GANGRUN_LIVENESS_FD``         fd of the read end of the caller's liveness pipe: EOF means
+                                the caller died, and the rank kills its own tree
+``GANGRUN_HANG_TIMEOUT``        seconds; when set, the rank starts the hang guard's
+                                heartbeat and stack-dump handler (:mod:`gangrun.hang`)
+``GANGRUN_RAY_NODE_ID``         Ray backend: the node the rank's actor was placed on
+``GANGRUN_RAY_NODE_IP``         Ray backend: that node's IP address
+==============================  ==========================================================
+
+Read by the caller (settings of the launch machinery, not per-call options):
+
+==================================  ======================================================
+``GANGRUN_START_METHOD``            ``auto`` (default: fork server when usable), ``spawn``,
+                                    ``forkserver``
+``GANGRUN_PRELOAD``                 modules the fork server imports (default ``torch``;
+                                    comma separated; ``none``)
+``GANGRUN_FORKSERVER_START_TIMEOUT``  seconds to wait for the fork server's start (300)
+``GANGRUN_RAY_STRATEGY``            placement group strategy (``PACK``, ``SPREAD``, ...)
+``GANGRUN_RAY_RUNTIME_ENV``         JSON runtime env for the rank actors
+``GANGRUN_RAY_PLACEMENT_TIMEOUT``   seconds to wait for the placement group (300)
+``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
+``GANGRUN_CACHE_DIR``               :mod:`gangrun.data`'s local file cache
+==================================  ======================================================
+
+Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (room in the server's environ block
+that a forked rank overwrites with its own environment, so ``/proc/PID/environ`` shows it).
+"""
+
+from __future__ import annotations
+
+RUN_ID = "GANGRUN_RUN_ID"
+RUN_DIR = "GANGRUN_RUN_DIR"
+CALLER_PID = "GANGRUN_CALLER_PID"
+LIVENESS_FD = "GANGRUN_LIVENESS_FD"
+HANG_TIMEOUT = "GANGRUN_HANG_TIMEOUT"
+RAY_NODE_ID = "GANGRUN_RAY_NODE_ID"
+RAY_NODE_IP = "GANGRUN_RAY_NODE_IP"
+
+START_METHOD = "GANGRUN_START_METHOD"
+PRELOAD = "GANGRUN_PRELOAD"
+FORKSERVER_START_TIMEOUT = "GANGRUN_FORKSERVER_START_TIMEOUT"
+RAY_STRATEGY = "GANGRUN_RAY_STRATEGY"
+RAY_RUNTIME_ENV = "GANGRUN_RAY_RUNTIME_ENV"
+RAY_PLACEMENT_TIMEOUT = "GANGRUN_RAY_PLACEMENT_TIMEOUT"
+RAY_FORWARD_ENV = "GANGRUN_RAY_FORWARD_ENV"
+CACHE_DIR = "GANGRUN_CACHE_DIR"
+ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
+
+# Every variable above that a rank inherits from its caller and that names *this* call:
+# never carried over into a nested or unrelated process (e.g. the fork server).
+PER_CALL = (RUN_ID, RUN_DIR, CALLER_PID, LIVENESS_FD, HANG_TIMEOUT)

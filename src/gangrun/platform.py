@@ -1,0 +1,121 @@
+"""Platform helpers (Linux): process identity, start ticks, signalling process trees, the
+``/proc`` environment sweep and pidfd waits. No gangrun imports: every layer may use this."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+
+log = logging.getLogger("gangrun.platform")
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask), not the machine's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def start_ticks(pid: int | str) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (field 22 of ``/proc/PID/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_identity(pid: int) -> str | None:
+    """``"pid:start-ticks"``: names one process for its whole life (pids are reused)."""
+    ticks = start_ticks(pid)
+    return None if ticks is None else f"{pid}:{ticks}"
+
+
+def ticks_now(slack_s: float = 2.0) -> int:
+    """Now minus ``slack_s``, in the clock ticks since boot that ``/proc/PID/stat`` uses for
+    process start times (0 when unknown: then :func:`sweep` looks at every process)."""
+    try:
+        with open("/proc/uptime", "rb") as f:
+            up = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, int((up - slack_s) * os.sysconf("SC_CLK_TCK")))
+
+
+def signal_tree(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each process group led by ``pids`` and to every live descendant."""
+    import psutil
+
+    victims: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            victims.extend(psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            pass  # already gone: nothing below it to find
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone (or was never ours)
+    for v in victims:
+        try:
+            v.send_signal(sig)
+        except psutil.Error:
+            pass  # exited meanwhile
+
+
+def sweep(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[int]:
+    """Kill any process still carrying this run's id in its environment (a descendant that
+    left its rank's process group, e.g. with ``setsid``). Reads ``/proc`` directly and only
+    the environment of processes started since ``since_ticks`` (see :func:`ticks_now`): a
+    few ms. Returns the pids it signalled."""
+    marker = f"\0GANGRUN_RUN_ID={run_id}\0".encode()
+    me = os.getpid()
+    hit: list[int] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # pragma: no cover - no procfs
+        return hit
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        if since_ticks:
+            ticks = start_ticks(name)
+            if ticks is None or ticks < since_ticks:
+                continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                data = b"\0" + f.read()
+        except OSError:
+            continue  # gone, or not ours to read
+        if marker in data:
+            try:
+                os.kill(int(name), sig)
+                hit.append(int(name))
+            except OSError:
+                pass  # exited between the read and the kill
+    if hit:
+        log.debug("sweep of run %s signalled %s", run_id, hit)
+    if sig == signal.SIGKILL:  # gone when the call returns, not a moment later
+        deadline = time.monotonic() + 2.0
+        for pid in hit:
+            wait_gone(pid, max(0.0, deadline - time.monotonic()))
+    return hit
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Wait until ``pid`` (not necessarily our child) has exited, via a pidfd. True if it is
+    gone (or was never there)."""
+    try:
+        pfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return True
+    try:
+        p = select.poll()
+        p.register(pfd, select.POLLIN)
+        return bool(p.poll(int(timeout * 1000)))
+    finally:
+        os.close(pfd)
