@@ -46,13 +46,12 @@ def configure(force: bool = False) -> logging.Logger:
             root.setLevel(logging.WARNING if level is None else level)
         else:
             handler = logging.NullHandler()
-        handler._gangrun = True  # type: ignore[attr-defined]
+        setattr(handler, "_gangrun", True)  # noqa: B010 - marks the handler as ours
         root.addHandler(handler)
         _configured = True
         if raw and _level(raw) is None:
             root.warning(
-                "%s=%r is not a log level (DEBUG, INFO, WARNING, ERROR or a number); "
-                "using WARNING",
+                "%s=%r is not a log level (DEBUG, INFO, WARNING, ERROR or a number); using WARNING",
                 ENV,
                 raw,
             )

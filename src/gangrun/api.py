@@ -141,7 +141,9 @@ class Options:
             or not isinstance(self.grace_period, numbers.Real)
             or self.grace_period < 0
         ):
-            raise LaunchError(f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}.")
+            raise LaunchError(
+                f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}."
+            )
         for name in ("mlflow", "log_system_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise LaunchError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -129,9 +129,9 @@ def parse_value(name: str, text: str) -> Any:
     ann = str(field.type)
     kind = _kind(name, ann)
     t = str(text).strip()
-    if kind not in ("choice", "duration", "size", "gpus") and _nullable(ann):
-        if t.lower() in ("none", "null"):
-            return None
+    special = kind in ("choice", "duration", "size", "gpus")
+    if not special and _nullable(ann) and t.lower() in ("none", "null"):
+        return None
     if kind == "gpus":
         return parse_gpus(t)
     if kind == "size":
@@ -189,9 +189,7 @@ def check_names(names: Iterable[str], what: str) -> None:
         if not close and n.replace("num_", "").rstrip("s") + "s" in valid:
             close = [n.replace("num_", "").rstrip("s") + "s"]
         parts.append(f"{n!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise LaunchError(
-        f"unknown {what}(s): {', '.join(parts)}. Valid options: {', '.join(valid)}."
-    )
+    raise LaunchError(f"unknown {what}(s): {', '.join(parts)}. Valid options: {', '.join(valid)}.")
 
 
 # -------------------------------------------------------------------------------- layers
@@ -221,7 +219,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             value = {}
         _check_one(name, value, f"{var}={raw!r}")
         out[name] = value
-    if _WORLD <= out.keys() and None not in (out["gpus"], out["processes"]):
+    if out.keys() >= _WORLD and None not in (out["gpus"], out["processes"]):
         raise LaunchError(
             f"{env_var('gpus')} and {env_var('processes')} are both set; unset one of them."
         )
@@ -276,7 +274,11 @@ def resolve_with_sources(
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    layers = (("argument", explicit), ("set_defaults", session_defaults()), ("env", from_env(environ)))
+    layers = (
+        ("argument", explicit),
+        ("set_defaults", session_defaults()),
+        ("env", from_env(environ)),
+    )
     for label, layer in layers:
         world_taken = bool(_WORLD & values.keys())
         for name, value in layer.items():
