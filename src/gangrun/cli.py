@@ -193,7 +193,10 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
     explicit = options_from_args(ns)
     try:
         Options(**explicit).validate()
-        _defaults.resolve(explicit)  # GANGRUN_* variables: errors name the variable
+    except DistributedError as exc:  # a bad flag value
+        return usage_error(speak_cli(exc))
+    try:
+        opts = _defaults.resolve(explicit)  # GANGRUN_* variables: errors name the variable
     except DistributedError as exc:
         print(f"gangrun: {speak_cli(exc)}", file=sys.stderr)
         return EXIT_LAUNCH
@@ -206,7 +209,7 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         return 0
     except DistributedError as exc:
         hint = (
-            "" if ns.log_dir else "\n(the logs go away with this command: --log-dir DIR keeps them)"
+            "" if opts.log_dir else "\n(the logs go away with this command: --log-dir DIR keeps them)"
         )
         print(f"gangrun: {speak_cli(exc)}{hint if exc.rank is not None else ''}", file=sys.stderr)
         return exit_code_for(exc)
