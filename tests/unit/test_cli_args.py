@@ -125,7 +125,10 @@ def test_timeout_soon_names_the_flag_with_run_usage(capsys):
     [
         (["run", "--processes", "2"], "give a script"),
         (["run", "--processes", "2", "no-such-script.py"], "no such script"),
-        (["run", "--processes", "x", "t.py"], "argument --processes/--nproc: 'x' is not an integer"),
+        (
+            ["run", "--processes", "x", "t.py"],
+            "argument --processes/--nproc: 'x' is not an integer",
+        ),
         (["run", "--gpus", "2", "--processes", "2", "t.py"], "not allowed with argument"),
         (["run", "--env", "NOEQUALS", "t.py"], "argument --env: takes KEY=VALUE"),
         (["run", "--output", "rank1", "t.py"], "argument --output: invalid choice"),
@@ -183,8 +186,10 @@ def test_split_run_knows_every_valued_flag():
             "--gpus 8 but this node has 2 visible GPU(s). Ask for at most --gpus 2, or run on a "
             "bigger node (--backend ray).",
         ),
-        ("gpus=[0, 3]: busy. Use gpu_wait=SECONDS (None: no limit).",
-         "--gpus 0,3: busy. Use --gpu-wait SECONDS (none: no limit)."),
+        (
+            "gpus=[0, 3]: busy. Use gpu_wait=SECONDS (None: no limit).",
+            "--gpus 0,3: busy. Use --gpu-wait SECONDS (none: no limit).",
+        ),
         ("pass mlflow=False", "pass --no-mlflow"),
         ("env['MASTER_PORT']=1 stays", "env['MASTER_PORT']=1 stays"),
     ],

@@ -175,8 +175,17 @@ def test_misspelled_option_suggests(kwargs, suggestion):
 
 @pytest.mark.parametrize(
     "text, seconds",
-    [("90", 90), ("90s", 90), ("1.5", 1.5), ("15m", 900), ("2h", 7200), ("1h30m", 5400),
-     ("1h0m30s", 3630), (" 2H ", 7200), ("none", None)],
+    [
+        ("90", 90),
+        ("90s", 90),
+        ("1.5", 1.5),
+        ("15m", 900),
+        ("2h", 7200),
+        ("1h30m", 5400),
+        ("1h0m30s", 3630),
+        (" 2H ", 7200),
+        ("none", None),
+    ],
 )
 def test_parse_duration(text, seconds):
     assert d.parse_duration(text) == seconds
