@@ -119,8 +119,8 @@ def _build() -> dict[str, type]:
 
     # Not re-exported by torch: the guard names the supported torch versions if it moves.
     private = "torch.distributed.checkpoint._fsspec_filesystem"
-    FsspecReader = private_import(private, "FsspecReader", supported=TORCH_SUPPORTED)
-    FsspecWriter = private_import(private, "FsspecWriter", supported=TORCH_SUPPORTED)
+    FsspecReader: Any = private_import(private, "FsspecReader", supported=TORCH_SUPPORTED)
+    FsspecWriter: Any = private_import(private, "FsspecWriter", supported=TORCH_SUPPORTED)
 
     class _VolumeWriter(FsspecWriter):
         """Storage writer for ``torch.distributed.checkpoint.save`` on any fsspec URL.

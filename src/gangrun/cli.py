@@ -209,7 +209,9 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         return 0
     except DistributedError as exc:
         hint = (
-            "" if opts.log_dir else "\n(the logs go away with this command: --log-dir DIR keeps them)"
+            ""
+            if opts.log_dir
+            else "\n(the logs go away with this command: --log-dir DIR keeps them)"
         )
         print(f"gangrun: {speak_cli(exc)}{hint if exc.rank is not None else ''}", file=sys.stderr)
         return exit_code_for(exc)

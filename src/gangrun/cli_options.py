@@ -36,104 +36,52 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
-# option -> (flags, add_argument keywords). Booleans get --x/--no-x.
-FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "gpus": (
-        ("--gpus",),
-        {
-            "metavar": "N|I,J",
-            "help": "ranks, one GPU each: a count, or device indices like 0,3 (default: every GPU)",
-        },
-    ),
-    "processes": (
-        ("--processes", "--nproc"),
-        {"metavar": "N", "help": "CPU ranks (gloo), no GPU needed"},
-    ),
-    "gpu_type": (
-        ("--gpu-type",),
-        {"metavar": "TYPE", "help": "require this accelerator, e.g. H100"},
-    ),
-    "timeout": (
-        ("--timeout",),
-        {"metavar": "DURATION", "help": "for the whole run (default 3h); 0 or none: no limit"},
-    ),
-    "mlflow": (("--mlflow",), {"help": "one MLflow run for the call (default: on)"}),
-    "env": (
-        ("--env",),
-        {"metavar": "KEY=VALUE", "help": "extra environment variable for every rank (repeatable)"},
-    ),
-    "max_restarts": (
-        ("--max-restarts",),
-        {"metavar": "N", "help": "relaunch the whole gang up to N times after a failure"},
-    ),
-    "output": (
-        ("--output",),
-        {
-            "choices": ("all", "rank0", "none"),
-            "help": "whose output to show (default all; every rank's log is kept anyway)",
-        },
-    ),
-    "max_capture_bytes": (
-        ("--max-capture-bytes",),
-        {"metavar": "SIZE", "help": "limit on the pickled script/function (default 1GiB)"},
-    ),
-    "grace_period": (
-        ("--grace-period",),
-        {"metavar": "DURATION", "help": "between SIGTERM and SIGKILL when stopping ranks (5s)"},
-    ),
-    "log_dir": (("--log-dir",), {"metavar": "DIR", "help": "keep every rank's log under DIR"}),
-    "start_method": (
-        ("--start-method",),
-        {
-            "choices": ("auto", "spawn", "forkserver"),
-            "help": "how ranks start (default auto: a warm fork server when usable)",
-        },
-    ),
-    "backend": (
-        ("--backend",),
-        {"choices": ("local", "ray"), "help": "this node, or a Ray cluster"},
-    ),
-    "address": (
-        ("--address",),
-        {"metavar": "ADDR", "help": "Ray cluster address (backend ray; default RAY_ADDRESS)"},
-    ),
-    "log_system_metrics": (
-        ("--system-metrics",),
-        {"help": "log CPU/GPU/memory metrics to the MLflow run (default: off)"},
-    ),
-    "hang_timeout": (
-        ("--hang-timeout",),
-        {
-            "metavar": "DURATION",
-            "help": "stop when a rank makes no progress this long (default: off)",
-        },
-    ),
-    "gpu_wait": (
-        ("--gpu-wait",),
-        {
-            "metavar": "DURATION",
-            "help": "wait this long for GPUs busy with another call of "
-            "yours (default 0: fail at once; none: no limit)",
-        },
-    ),
+_ON_OFF = ("on", "off")
+_OUTPUTS = ("all", "rank0", "none")
+_METHODS = ("auto", "spawn", "forkserver")
+_BACKENDS = ("local", "ray")
+# option: (flags, metavar, or choices; or _ON_OFF for --x/--no-x), help.
+# fmt: off
+_ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
+    "gpus": (("--gpus",), "N|I,J", "ranks, one GPU each: a count, or device indices like 0,3 (default: every GPU)"),
+    "processes": (("--processes", "--nproc"), "N", "CPU ranks (gloo), no GPU needed"),
+    "gpu_type": (("--gpu-type",), "TYPE", "require this accelerator, e.g. H100"),
+    "timeout": (("--timeout",), "DURATION", "for the whole run (default 3h); 0 or none: no limit"),
+    "mlflow": (("--mlflow",), _ON_OFF, "one MLflow run for the call (default: on)"),
+    "env": (("--env",), "KEY=VALUE", "extra environment variable for every rank (repeatable)"),
+    "max_restarts": (("--max-restarts",), "N", "relaunch the whole gang up to N times after a failure"),
+    "output": (("--output",), _OUTPUTS, "whose output to show (default all; every rank's log is kept)"),
+    "max_capture_bytes": (("--max-capture-bytes",), "SIZE", "limit on the pickled script/function (default 1GiB)"),
+    "grace_period": (("--grace-period",), "DURATION", "between SIGTERM and SIGKILL when stopping ranks (5s)"),
+    "log_dir": (("--log-dir",), "DIR", "keep every rank's log under DIR"),
+    "start_method": (("--start-method",), _METHODS, "how ranks start (default auto: a warm fork server when usable)"),
+    "backend": (("--backend",), _BACKENDS, "this node (default), or a Ray cluster"),
+    "address": (("--address",), "ADDR", "Ray cluster address (backend ray; default RAY_ADDRESS)"),
+    "log_system_metrics": (("--system-metrics",), _ON_OFF, "log CPU/GPU/memory metrics to the MLflow run (default: off)"),
+    "hang_timeout": (("--hang-timeout",), "DURATION", "stop when a rank makes no progress this long (default: off)"),
+    "gpu_wait": (("--gpu-wait",), "DURATION", "wait this long for GPUs busy with another call of yours (default 0: fail at once; none: no limit)"),
 }
-_BOOLEAN = ("mlflow", "log_system_metrics")
+# fmt: on
+FLAGS: dict[str, tuple[str, ...]] = {option: row[0] for option, row in _ROWS.items()}
+_BOOLEAN = tuple(o for o, row in _ROWS.items() if row[1] is _ON_OFF)
 
 
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """Add a flag for every option (defaults suppressed: only given flags are set)."""
     world = parser.add_mutually_exclusive_group()
-    for option, (flags, kw) in FLAGS.items():
-        kw = dict(kw, dest=option, default=argparse.SUPPRESS)
+    for option, (flags, how, text) in _ROWS.items():
+        kw: dict[str, Any] = {"dest": option, "default": argparse.SUPPRESS, "help": text}
         target = world if option in ("gpus", "processes") else parser
-        if option in _BOOLEAN:
-            target.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-        elif option == "env":
-            target.add_argument(*flags, action="append", type=_env_pair, **kw)
-        elif "choices" in kw:
-            target.add_argument(*flags, **kw)
+        if how is _ON_OFF:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif isinstance(how, tuple):
+            kw["choices"] = how
         else:
-            target.add_argument(*flags, type=_typed(option), **kw)
+            kw["metavar"] = how
+            kw["type"] = _env_pair if option == "env" else _typed(option)
+            if option == "env":
+                kw["action"] = "append"
+        target.add_argument(*flags, **kw)
 
 
 def options_from_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -154,7 +102,7 @@ def _defaults_fields() -> list[str]:
 
 def flag_for(option: str) -> str | None:
     entry = FLAGS.get(option)
-    return entry[0][0] if entry else None
+    return entry[0] if entry else None
 
 
 def speak_cli(error: BaseException | str) -> str:
@@ -171,7 +119,7 @@ def speak_cli(error: BaseException | str) -> str:
 
     def flag(m: re.Match[str]) -> str:
         name, value = m.group(1), m.group(2).strip("'\"")
-        spelled = FLAGS[name][0][0]
+        spelled = FLAGS[name][0]
         if name in _BOOLEAN:
             return spelled if value == "True" else "--no-" + spelled[2:]
         if name == "gpus" and value.startswith("["):
