@@ -1,14 +1,18 @@
 # Two entry points for a fresh machine with only Python 3.10+:
 #   make demo   - train a small MLP with DDP on 2 CPU processes, show results and the MLflow run
-#   make test   - run the whole test suite
+#   make test   - lint, type-check and the whole test suite (which also builds the docs with
+#                 warnings as errors and installs the wheel into a fresh venv)
+#   make docs   - the documentation (MkDocs + mkdocstrings) into ./site, warnings as errors
+#   make dist   - wheel and sdist into ./dist
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export MLFLOW_DISABLE_TELEMETRY ?= true
+export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: demo test test-fast soak lint typecheck bench venv clean
+.PHONY: demo test test-fast soak lint typecheck bench venv clean docs dist
 
 venv: $(STAMP)
 
@@ -45,5 +49,11 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run_all.py
 
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
+dist: $(STAMP)
+	$(PY) -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site dist build

@@ -18,6 +18,7 @@ from .errors import (
     LaunchError,
 )
 
+# The one source of the version: pyproject.toml reads it from here (setuptools dynamic).
 __version__ = "0.1.0"
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing is most of our import time
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
+    from .defaults import reset_defaults, set_defaults
     from .hang import heartbeat
 
 _LAZY = {
@@ -36,6 +38,8 @@ _LAZY = {
     "device": "accelerators",
     "backend": "accelerators",
     "heartbeat": "hang",
+    "set_defaults": "defaults",
+    "reset_defaults": "defaults",
 }
 
 
@@ -67,5 +71,7 @@ __all__ = [
     "DistributedCancelledError",
     "DistributedHangError",
     "heartbeat",
+    "set_defaults",
+    "reset_defaults",
     "__version__",
 ]

@@ -10,7 +10,8 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -123,6 +124,129 @@ def detect() -> list[Accelerator]:
     return _torch_query() or []
 
 
+def select_devices(devices: Sequence[Accelerator], want: int | Sequence[int]) -> list[Accelerator]:
+    """The GPUs a call may use out of the visible ``devices``.
+
+    ``want`` a count: every visible device (the reservation then takes ``want`` free ones);
+    more than are visible is an error. ``want`` a list of physical device indices (as
+    ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` number them): exactly those, in that order.
+    Raises :class:`gangrun.LaunchError` naming the visible devices when one is absent.
+    """
+    from .errors import LaunchError
+
+    visible = ", ".join(f"{d.index} ({d.name})" for d in devices) or "none"
+    if isinstance(want, int):
+        if want > len(devices):
+            names = ", ".join(sorted({d.name for d in devices})) or "none"
+            raise LaunchError(
+                f"gpus={want} but this node has {len(devices)} visible GPU(s) ({names}). "
+                f"Ask for at most gpus={len(devices)}, or run on a bigger node (backend='ray')."
+            )
+        return list(devices)
+    by_index = {d.index: d for d in devices}
+    absent = [i for i in want if i not in by_index]
+    if absent:
+        which = ", ".join(str(i) for i in absent)
+        raise LaunchError(
+            f"gpus={list(want)!r}: GPU {which} {'is' if len(absent) == 1 else 'are'} not "
+            f"visible on this node. Visible GPUs (index, name): {visible}. Pick among those "
+            "(CUDA_VISIBLE_DEVICES hides the others), or give a count, e.g. gpus=2."
+        )
+    return [by_index[i] for i in want]
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int | None = None
+    user: str | None = None  # None: NVML gave the pid but its owner is not visible here
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """What NVML says about one GPU: memory and the processes using it."""
+
+    index: int
+    total_bytes: int
+    free_bytes: int
+    processes: list[GpuProcess] = field(default_factory=list)
+
+
+def _owner(pid: int) -> tuple[str | None, str | None]:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.username(), p.name()
+    except Exception:  # another pid namespace, or no permission: unknown owner
+        return None, None
+
+
+def gpu_usage(nvml: Any = None) -> dict[int, GpuUsage] | None:
+    """Free memory and compute processes of each GPU, by physical index; ``None`` when NVML
+    cannot tell (no ``pynvml``, no driver). ``nvml`` replaces the ``pynvml`` module (tests)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml  # type: ignore[import-not-found,no-redef]
+        except Exception:  # not installed: nothing to tell
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception:  # no driver
+        return None
+    try:
+        out = {}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            procs = []
+            try:
+                running = nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            except Exception:  # not supported on this GPU/driver: list no processes
+                running = []
+            for pr in running:
+                user, name = _owner(int(pr.pid))
+                used = getattr(pr, "usedGpuMemory", None)
+                procs.append(
+                    GpuProcess(int(pr.pid), used if isinstance(used, int) else None, user, name)
+                )
+            out[i] = GpuUsage(i, int(mem.total), int(mem.free), procs)
+        return out
+    except Exception:  # a driver error midway: report nothing rather than half
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # already shut down
+            pass
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / (1 << 30):.1f} GiB"
+
+
+def format_gpu_report(
+    devices: Sequence[Accelerator], usage: dict[int, GpuUsage] | None, me: str | None = None
+) -> list[str]:
+    """Lines for ``gangrun info``: each GPU, its free memory and who else uses it."""
+    lines = []
+    for d in devices:
+        line = f"  {d.index}: {d.name}" + (f" ({d.uuid})" if d.uuid else "")
+        u = (usage or {}).get(d.index)
+        if u is not None:
+            line += f", {_gib(u.free_bytes)} free of {_gib(u.total_bytes)}"
+            if not u.processes:
+                line += ", no processes"
+        lines.append(line)
+        for p in u.processes if u is not None else []:
+            who = p.user or "unknown user"
+            mine = " (you)" if me is not None and p.user == me else ""
+            name = f" {p.name}" if p.name else ""
+            lines.append(f"       pid {p.pid}{name}, {who}{mine}, {_gib(p.used_bytes)}")
+    return lines
+
+
 def _tokens(s: str) -> list[str]:
     return [t for t in re.split(r"[^0-9a-z]+", s.lower()) if t]
 
@@ -169,4 +293,15 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-__all__ = ["Accelerator", "detect", "matches_type", "device", "backend"]
+__all__ = [
+    "Accelerator",
+    "detect",
+    "matches_type",
+    "select_devices",
+    "gpu_usage",
+    "format_gpu_report",
+    "GpuUsage",
+    "GpuProcess",
+    "device",
+    "backend",
+]

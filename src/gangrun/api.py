@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
 
+from . import defaults as _defaults
 from .errors import DistributedError, LaunchError
 from .serialization import DEFAULT_MAX_CAPTURE_BYTES
 
@@ -26,9 +27,34 @@ _BACKENDS = ("local", "ray")
 
 @dataclass(frozen=True)
 class Options:
-    """Settings of a distributed function (the decorator's keyword arguments)."""
+    """Settings of a distributed function (the decorator's keyword arguments).
 
-    gpus: int | None = None
+    Each can be defaulted outside code by ``gangrun.set_defaults(...)`` or a
+    ``GANGRUN_<OPTION>`` environment variable (see :mod:`gangrun.defaults`).
+
+    Attributes:
+        gpus: ranks on this node, one GPU each; an int (how many) or a list of physical
+            device indices (``[0, 3]``, as ``nvidia-smi`` numbers them). Default: every GPU.
+        processes: CPU ranks (gloo), no GPU needed. Exactly one of ``gpus``/``processes``.
+        gpu_type: required accelerator, e.g. ``"H100"`` (matched against the device name).
+        timeout: seconds for the whole call (default 3 h); ``None`` disables.
+        mlflow: one MLflow run per call (default on).
+        env: extra environment variables for every rank.
+        max_restarts: relaunch the whole gang up to N times after a failure.
+        output: ``"all"`` (every rank, prefixed), ``"rank0"`` or ``"none"``.
+        max_capture_bytes: limit on the pickled function and arguments (default 1 GiB).
+        grace_period: seconds between SIGTERM and SIGKILL when stopping ranks.
+        log_dir: keep every rank's log under this directory.
+        start_method: ``"auto"`` (fork server when usable), ``"spawn"`` or ``"forkserver"``.
+        backend: ``"local"`` (this node) or ``"ray"`` (a Ray cluster).
+        address: Ray cluster address (backend ``"ray"``; default ``RAY_ADDRESS``).
+        log_system_metrics: log CPU/GPU/memory metrics to the MLflow run.
+        hang_timeout: stop the gang when a rank makes no progress for this many seconds.
+        gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
+            once, ``None``: no limit).
+    """
+
+    gpus: int | list[int] | None = None
     processes: int | None = None
     gpu_type: str | None = None
     timeout: float | None = DEFAULT_TIMEOUT
@@ -63,7 +89,10 @@ class Options:
                 f"Pass either gpus= (one rank per GPU) or processes= (CPU ranks), not both "
                 f"(got gpus={self.gpus}, processes={self.processes})."
             )
-        _int("gpus", self.gpus, 1)
+        if isinstance(self.gpus, (list, tuple)):
+            _device_list(self.gpus)
+        else:
+            _int("gpus", self.gpus, 1)
         _int("processes", self.processes, 1)
         _int("max_restarts", self.max_restarts, 0)
         for name in ("timeout", "hang_timeout"):
@@ -107,9 +136,30 @@ class Options:
                 raise LaunchError(f"env[{k!r}] must be a string, got {v!r}.")
         if self.max_capture_bytes is not None:
             _int("max_capture_bytes", self.max_capture_bytes, 1)
-        if self.grace_period < 0:
-            raise LaunchError(f"grace_period must be >= 0, got {self.grace_period}.")
+        if (
+            isinstance(self.grace_period, bool)
+            or not isinstance(self.grace_period, numbers.Real)
+            or self.grace_period < 0
+        ):
+            raise LaunchError(
+                f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}."
+            )
+        for name in ("mlflow", "log_system_metrics"):
+            if not isinstance(getattr(self, name), bool):
+                raise LaunchError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         return self
+
+
+def _device_list(gpus: Any) -> None:
+    if not gpus:
+        raise LaunchError("gpus=[] names no GPU; give device indices like gpus=[0, 3], or a count.")
+    for i in gpus:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+            raise LaunchError(
+                f"gpus={list(gpus)!r}: device indices must be integers >= 0, got {i!r}."
+            )
+    if len(set(gpus)) != len(gpus):
+        raise LaunchError(f"gpus={list(gpus)!r} names a device twice; list each index once.")
 
 
 def _release_run(ref: Any, run_dir: str) -> None:
@@ -193,10 +243,26 @@ class DistributedFunction(Generic[P, R]):
     Calling it directly still runs the plain function in this process.
     """
 
-    def __init__(self, fn: Callable[P, R], options: Options) -> None:
+    def __init__(
+        self,
+        fn: Callable[P, R],
+        options: Options | None = None,
+        *,
+        explicit: Mapping[str, Any] | None = None,
+    ) -> None:
         self._fn = fn
-        self._options = options
+        # The options given explicitly; everything else comes from set_defaults(), the
+        # GANGRUN_<OPTION> environment or the built-in defaults, resolved at each call.
+        # A complete Options object counts as given in full.
+        if options is not None:
+            explicit = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        self._explicit: dict[str, Any] = dict(explicit or {})
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    @property
+    def _options(self) -> Options:
+        """The options in force now (explicit > set_defaults > environment > built-in)."""
+        return _defaults.resolve(self._explicit)  # type: ignore[no-any-return]
 
     @property
     def settings(self) -> Options:
@@ -244,19 +310,25 @@ class DistributedFunction(Generic[P, R]):
 
     def options(self, **overrides: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. ``train.options(processes=4).distributed()``."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(Options)}
-        if unknown:
-            raise LaunchError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        _defaults.check_names(overrides, "option")
+        explicit = dict(self._explicit)
         if "processes" in overrides and "gpus" not in overrides:
-            overrides["gpus"] = None
+            explicit.pop("gpus", None)
         if "gpus" in overrides and "processes" not in overrides:
-            overrides["processes"] = None
-        return DistributedFunction(
-            self._fn, dataclasses.replace(self._options, **overrides).validate()
-        )
+            explicit.pop("processes", None)
+        explicit.update(overrides)
+        if explicit.get("env", {}) is None:
+            explicit.pop("env")
+        Options(**explicit).validate()
+        return DistributedFunction(self._fn, explicit=explicit)
 
     def __repr__(self) -> str:
-        return f"<distributed function {getattr(self._fn, '__qualname__', self._fn)!r} {self._options}>"
+        name = getattr(self._fn, "__qualname__", self._fn)
+        try:
+            shown: Any = self._options
+        except LaunchError:  # e.g. a bad GANGRUN_* variable: show what was given
+            shown = self._explicit
+        return f"<distributed function {name!r} {shown}>"
 
 
 @overload
@@ -268,14 +340,14 @@ def distributed(
     fn: None = None,
     /,
     *,
-    gpus: int | None = None,
+    gpus: int | list[int] | None = None,
     processes: int | None = None,
     gpu_type: str | None = None,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    mlflow: bool = True,
+    timeout: float | None = ...,
+    mlflow: bool = ...,
     env: Mapping[str, str] | None = None,
-    max_restarts: int = 0,
-    output: Literal["all", "rank0", "none"] = "all",
+    max_restarts: int = ...,
+    output: Literal["all", "rank0", "none"] = ...,
     **more: Any,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]: ...
 
@@ -284,19 +356,19 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     """Decorate a function to run on every GPU of this node (or ``processes=N`` CPU ranks).
 
     ``@distributed`` and ``@distributed(...)`` both work; see :class:`Options` for the
-    keyword arguments. Bad settings raise :class:`gangrun.LaunchError` right here.
+    keyword arguments. Bad settings raise :class:`gangrun.LaunchError` right here. Options
+    not given here come, at each call, from :func:`gangrun.set_defaults`, then the
+    ``GANGRUN_<OPTION>`` environment variables, then the built-in defaults.
     """
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(Options)}
-    if unknown:
-        raise LaunchError(f"unknown @distributed argument(s): {', '.join(sorted(unknown))}")
-    if kwargs.get("env") is None:
+    _defaults.check_names(kwargs, "@distributed argument")
+    if kwargs.get("env", {}) is None:
         kwargs.pop("env", None)
-    opts = Options(**kwargs).validate()
+    Options(**kwargs).validate()
 
     def wrap(f: Callable[P, R]) -> DistributedFunction[P, R]:
         if not callable(f):
             raise LaunchError(f"@distributed decorates a function, got {f!r}")
-        return DistributedFunction(f, opts)
+        return DistributedFunction(f, explicit=kwargs)
 
     if fn is not None:
         return wrap(fn)

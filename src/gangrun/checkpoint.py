@@ -115,7 +115,12 @@ _classes: dict[str, type] = {}
 def _build() -> dict[str, type]:
     if _classes:
         return _classes
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from ._compat_imports import TORCH_SUPPORTED, private_import
+
+    # Not re-exported by torch: the guard names the supported torch versions if it moves.
+    private = "torch.distributed.checkpoint._fsspec_filesystem"
+    FsspecReader: Any = private_import(private, "FsspecReader", supported=TORCH_SUPPORTED)
+    FsspecWriter: Any = private_import(private, "FsspecWriter", supported=TORCH_SUPPORTED)
 
     class _VolumeWriter(FsspecWriter):
         """Storage writer for ``torch.distributed.checkpoint.save`` on any fsspec URL.

@@ -1,9 +1,13 @@
 """The ``gangrun`` command: run a script on every rank, or show what a rank would see.
 
-    gangrun run [--gpus N | --processes N] [--timeout S] [--backend ray] [--address A]
-                [--no-mlflow] [--output all|rank0|none] script.py [args...]
+    gangrun run [--gpus N | --gpus I,J | --processes N] [--timeout 2h] [every option...]
+                script.py [args...]
     gangrun run [...] -m package.module [args...]
-    gangrun info [--gpus N | --processes N] [--json]
+    gangrun info [options...] [--json]
+    gangrun --version
+
+Every option of ``@distributed`` has a flag (``gangrun run --help``); options not given come
+from ``GANGRUN_<OPTION>`` variables, then the built-in defaults.
 
 ``run`` executes the script as ``__main__`` (``runpy``, ``sys.argv`` = the script and its
 arguments) on every rank, with the same guarantees as ``@distributed``: torchrun's
@@ -91,66 +95,69 @@ def exit_code_for(err: BaseException) -> int:
     return 1
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(top level, ``run``, ``info``) parsers."""
+    from . import __version__
+    from .cli_options import add_option_flags
+
+    fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="gangrun",
         description="Run a PyTorch training script on every GPU of this node (or a Ray cluster).",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    def world(sp: argparse.ArgumentParser) -> None:
-        g = sp.add_mutually_exclusive_group()
-        g.add_argument("--gpus", type=int, help="ranks, one GPU each (default: every GPU)")
-        g.add_argument("--processes", "--nproc", type=int, help="CPU ranks (gloo), no GPU needed")
-        sp.add_argument("--gpu-type", help="require this accelerator, e.g. H100")
-        sp.add_argument("--backend", choices=("local", "ray"), default="local")
-        sp.add_argument("--address", help="Ray cluster address (backend ray; default RAY_ADDRESS)")
-
+    p.add_argument("--version", action="version", version=f"gangrun {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,info}")
     run = sub.add_parser(
         "run",
         help="run a script (or -m module) on every rank",
-        description="Run a script on every rank, as `python script.py args` would.",
+        description="Run a script on every rank, as `python script.py args` would. Options not "
+        "given here come from GANGRUN_<OPTION> variables, then the built-in defaults.",
+        epilog=RUN_EXAMPLES,
+        formatter_class=fmt,
     )
-    world(run)
-    run.add_argument(
-        "--timeout",
-        default="10800",
-        help="seconds for the whole run (default 10800); 0 or 'none' disables",
-    )
-    run.add_argument("--no-mlflow", action="store_true", help="do not create an MLflow run")
-    run.add_argument("--output", choices=("all", "rank0", "none"), default="all")
-    run.add_argument("--max-restarts", type=int, default=0)
-    run.add_argument("--log-dir", help="keep every rank's log under this directory")
-    run.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra environment variable for every rank (repeatable)",
-    )
+    add_option_flags(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs="*", help="script.py [args...]")
-
-    info = sub.add_parser("info", help="show the accelerators and the environment of a rank")
-    world(info)
+    info = sub.add_parser(
+        "info",
+        help="show the GPUs, the effective defaults and the environment of a rank",
+        description="Show the GPUs found (free memory, other processes), the option defaults "
+        "in force and where each comes from, and the environment rank 0 would get.",
+        epilog=INFO_EXAMPLES,
+        formatter_class=fmt,
+    )
+    add_option_flags(info)
     info.add_argument("--json", action="store_true", help="machine-readable output")
-    return p
+    return p, run, info
 
 
-def _timeout(text: str) -> float | None:
-    if text.strip().lower() in ("0", "none", "inf", ""):
-        return None
-    return float(text)
+def _parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
 
 
-def _env(pairs: list[str]) -> dict[str, str]:
-    out = {}
-    for item in pairs:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"gangrun: --env takes KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
+EXAMPLES = """examples:
+  gangrun run --processes 2 train.py --lr 1e-3     2 CPU ranks (gloo)
+  gangrun run --gpus 4 --timeout 2h train.py       4 GPUs, stop after 2 hours
+  gangrun run --gpus 0,3 -m pkg.train              GPUs 0 and 3, a module
+  gangrun info                                     GPUs, defaults, a rank's environment
+  gangrun run --help                               every option of run
+"""
+RUN_EXAMPLES = """durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
+every option can be defaulted by GANGRUN_<OPTION> (e.g. GANGRUN_TIMEOUT=2h).
+
+examples:
+  gangrun run --processes 2 train.py --lr 1e-3
+  gangrun run --gpus 8 --gpu-type H100 --timeout 2h --max-restarts 2 train.py
+  gangrun run --gpus 0,3 --gpu-wait 10m --log-dir logs/ -m pkg.train --epochs 3
+  gangrun run --backend ray --address head:6379 --gpus 16 train.py
+  gangrun run --processes 2 --env OMP_NUM_THREADS=4 --no-mlflow -- -odd-name.py
+"""
+INFO_EXAMPLES = """examples:
+  gangrun info
+  gangrun info --processes 4 --json
+"""
 
 
 class _Terminated(BaseException):
@@ -161,39 +168,39 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
+def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None = None) -> int:
+    from . import defaults as _defaults
     from .api import DistributedFunction, Options
+    from .cli_options import options_from_args, speak_cli
     from .errors import DistributedError
+
+    def usage_error(message: str) -> int:
+        if run_parser is None:
+            print(f"gangrun run: {message}", file=sys.stderr)
+            return EXIT_LAUNCH
+        run_parser.error(message)  # prints run's usage, exits 2
+        return EXIT_LAUNCH  # pragma: no cover
 
     if ns.module:
         target = ScriptTarget(ns.module, ns.target, module=True)
     else:
         if not ns.target:
-            print("gangrun run: give a script (or -m module) to run", file=sys.stderr)
-            return EXIT_LAUNCH
+            return usage_error("give a script (or -m module) to run")
         script, *args = ns.target
         if not os.path.isfile(script):
-            print(f"gangrun run: no such script: {script}", file=sys.stderr)
-            return EXIT_LAUNCH
+            return usage_error(f"no such script: {script}")
         target = ScriptTarget(script, args)
+    explicit = options_from_args(ns)
     try:
-        opts = Options(
-            gpus=ns.gpus,
-            processes=ns.processes,
-            gpu_type=ns.gpu_type,
-            timeout=_timeout(ns.timeout),
-            mlflow=not ns.no_mlflow,
-            env=_env(ns.env),
-            max_restarts=ns.max_restarts,
-            output=ns.output,
-            backend=ns.backend,
-            address=ns.address,
-            log_dir=ns.log_dir,
-        ).validate()
-    except (DistributedError, ValueError) as exc:
-        print(f"gangrun: {exc}", file=sys.stderr)
+        Options(**explicit).validate()
+    except DistributedError as exc:  # a bad flag value
+        return usage_error(speak_cli(exc))
+    try:
+        opts = _defaults.resolve(explicit)  # GANGRUN_* variables: errors name the variable
+    except DistributedError as exc:
+        print(f"gangrun: {speak_cli(exc)}", file=sys.stderr)
         return EXIT_LAUNCH
-    fn: DistributedFunction[[], None] = DistributedFunction(target, opts)
+    fn: DistributedFunction[[], None] = DistributedFunction(target, explicit=explicit)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     handle = None
     try:
@@ -202,9 +209,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
         return 0
     except DistributedError as exc:
         hint = (
-            "" if ns.log_dir else "\n(the logs go away with this command: --log-dir DIR keeps them)"
+            ""
+            if opts.log_dir
+            else "\n(the logs go away with this command: --log-dir DIR keeps them)"
         )
-        print(f"gangrun: {exc}{hint if exc.rank is not None else ''}", file=sys.stderr)
+        print(f"gangrun: {speak_cli(exc)}{hint if exc.rank is not None else ''}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         if handle is not None:
@@ -238,16 +247,26 @@ _SHOWN = (
 
 
 def cmd_info(ns: argparse.Namespace) -> int:
+    import dataclasses
+    import getpass
+
     from . import __version__, accelerators
+    from . import defaults as _defaults
     from .api import Options
+    from .cli_options import options_from_args, speak_cli
     from .errors import DistributedError
     from .run import Run
 
     devs = accelerators.detect()
+    usage = accelerators.gpu_usage() if devs else None
     report: dict[str, Any] = {
         "gangrun": __version__,
         "python": sys.version.split()[0],
-        "accelerators": [{"index": d.index, "name": d.name, "uuid": d.uuid} for d in devs],
+        "accelerators": [
+            {"index": d.index, "name": d.name, "uuid": d.uuid}
+            | (dataclasses.asdict(usage[d.index]) if usage and d.index in usage else {})
+            for d in devs
+        ],
         "cpus": os.cpu_count(),
     }
     try:
@@ -258,23 +277,34 @@ def cmd_info(ns: argparse.Namespace) -> int:
                 report[pkg] = md.version(pkg)
             except md.PackageNotFoundError:
                 report[pkg] = None
-    except Exception:  # pragma: no cover
-        pass
+    except Exception:  # pragma: no cover - importlib.metadata is in the standard library
+        report["libraries_note"] = "could not read the installed versions"
     rank_env: dict[str, str] | None = None
     note = None
-    if ns.backend == "ray":
-        note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
+    opts = None
     try:
-        opts = Options(gpus=ns.gpus, processes=ns.processes, gpu_type=ns.gpu_type).validate()
-        run = Run(lambda: None, (), {}, opts)
-        run._resolve_world()
-        run.run_dir = "<run dir>"
-        spec = run._gang_spec()
-        env = spec.ranks[0].env
-        rank_env = {k: env[k] for k in _SHOWN if k in env}
-        report["world_size"] = run.world_size
+        opts, sources = _defaults.resolve_with_sources(options_from_args(ns))
+        report["options"] = {
+            f.name: {"value": _jsonable(getattr(opts, f.name)), "source": sources[f.name]}
+            for f in dataclasses.fields(Options)
+        }
     except DistributedError as exc:
-        note = str(exc)
+        note = speak_cli(exc)
+    if opts is not None and opts.backend == "ray":
+        note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
+    elif opts is not None:
+        run = Run(lambda: None, (), {}, dataclasses.replace(opts, gpu_wait=0.0))
+        try:
+            run._resolve_world()
+            run.run_dir = "<run dir>"
+            env = run._gang_spec().ranks[0].env
+            rank_env = {k: env[k] for k in _SHOWN if k in env}
+            report["world_size"] = run.world_size
+        except DistributedError as exc:
+            note = speak_cli(exc)
+        finally:
+            if getattr(run, "_reservation", None) is not None:
+                run._reservation.release()
     report["rank0_env"] = rank_env
     if note:
         report["note"] = note
@@ -286,10 +316,15 @@ def cmd_info(ns: argparse.Namespace) -> int:
     print(f"libraries: {libs}")
     if devs:
         print(f"accelerators ({len(devs)}):")
-        for d in devs:
-            print(f"  {d.index}: {d.name}" + (f" ({d.uuid})" if d.uuid else ""))
+        for line in accelerators.format_gpu_report(devs, usage, me=getpass.getuser()):
+            print(line)
     else:
         print("accelerators: none found (use --processes N for CPU ranks)")
+    if "options" in report:
+        print("options (value, and where it comes from):")
+        width = max(len(k) for k in report["options"])
+        for k, v in report["options"].items():
+            print(f"  {k:<{width}}  {json.dumps(v['value']):<24} {v['source']}")
     if rank_env is not None:
         print(f"environment of rank 0 of {report['world_size']}:")
         for k, v in rank_env.items():
@@ -299,24 +334,22 @@ def cmd_info(ns: argparse.Namespace) -> int:
     return 0
 
 
-_VALUED = {
-    "--gpus",
-    "--processes",
-    "--nproc",
-    "--gpu-type",
-    "--backend",
-    "--address",
-    "--timeout",
-    "--output",
-    "--max-restarts",
-    "--log-dir",
-    "--env",
-}
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
-def _split_run(args: list[str]) -> tuple[list[str], list[str], str | None]:
+def _split_run(
+    args: list[str], valued: set[str] | None = None
+) -> tuple[list[str], list[str], str | None]:
     """``[gangrun options] (script.py | -m module) [its args]`` -> (ours, its, module):
-    everything from the script (or after ``-m module``) on belongs to the script."""
+    everything from the script (or after ``-m module``) on belongs to the script.
+    ``valued``: the flags that take a value (default: those of the ``run`` parser)."""
+    if valued is None:
+        valued = _valued_flags(_parsers()[1])
     i = 0
     while i < len(args):
         a = args[i]
@@ -327,27 +360,37 @@ def _split_run(args: list[str]) -> tuple[list[str], list[str], str | None]:
             rest = args[i + 1 :] if len(a) > 2 else args[i + 2 :]
             return args[:i], rest, mod
         if a.startswith("-"):
-            i += 2 if a in _VALUED else 1
+            i += 2 if a in valued else 1
             continue
         return args[:i], args[i:], None
     return args, [], None
 
 
+def _valued_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {
+        flag
+        for action in parser._actions
+        if action.option_strings and action.nargs != 0 and action.dest != "module"
+        for flag in action.option_strings
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "run":
-        ours, theirs, module = _split_run(args[1:])
-        ns = _parser().parse_args(["run", *ours])
-        ns.module = module
-        ns.target = theirs
-        if module is None and not theirs:
-            print("gangrun run: give a script (or -m module) to run", file=sys.stderr)
-            return EXIT_LAUNCH
-        return cmd_run(ns)
-    ns = _parser().parse_args(args)
-    if ns.cmd == "run":  # pragma: no cover - handled above
-        return cmd_run(ns)
-    return cmd_info(ns)
+    try:
+        top, run_parser, _ = _parsers()
+        if args and args[0] == "run":
+            ours, theirs, module = _split_run(args[1:], _valued_flags(run_parser))
+            ns = top.parse_args(["run", *ours])
+            ns.module = module
+            ns.target = theirs
+            return cmd_run(ns, run_parser)
+        ns = top.parse_args(args)
+        if ns.cmd == "run":  # pragma: no cover - handled above
+            return cmd_run(ns, run_parser)
+        return cmd_info(ns)
+    except SystemExit as exc:  # argparse: --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 
 
 if __name__ == "__main__":  # pragma: no cover

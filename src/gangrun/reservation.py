@@ -123,11 +123,21 @@ def _pick(pool: Sequence[Any], want: int, directory: str, held: list[tuple[Any, 
     return None
 
 
-def reserve(pool: Sequence[Any], want: int, wait: float | None = 0.0) -> Reservation:
+def reserve_exact(devices: Sequence[Any], wait: float | None = 0.0) -> Reservation:
+    """Reserve exactly ``devices`` (``gpus=[0, 3]``, see ``accelerators.select_devices``).
+
+    Raises ``LaunchError`` naming each busy one and the pid of the caller holding it."""
+    return reserve(devices, len(devices), wait, exact=True)
+
+
+def reserve(
+    pool: Sequence[Any], want: int, wait: float | None = 0.0, exact: bool = False
+) -> Reservation:
     """Reserve ``want`` GPUs out of ``pool`` (in ``pool`` order, free ones first).
 
     ``wait``: seconds to wait for busy GPUs to be released; ``0`` fails at once, ``None``
     waits without limit. Raises ``LaunchError`` naming the busy GPUs and their holders.
+    ``exact``: the pool was named by the user (``gpus=[...]``); the error says so.
     """
     if want > len(pool):
         raise LaunchError(f"{want} GPU(s) requested but only {len(pool)} visible.")
@@ -153,6 +163,13 @@ def reserve(pool: Sequence[Any], want: int, wait: float | None = 0.0) -> Reserva
         if holder and _held(path):
             busy.append(f"GPU {dev.index} (caller pid {holder})")
     waited = "" if not wait else f" after waiting {wait:g}s"
+    if exact:
+        raise LaunchError(
+            f"gpus={[int(d.index) for d in pool]!r}: busy{waited}: "
+            f"{', '.join(busy) or '?'} held by another gangrun call of this user. Wait for it "
+            "to finish or cancel it, pick other GPUs, or let the call wait for them with "
+            "gpu_wait=SECONDS (None: no limit)."
+        )
     raise LaunchError(
         f"Not enough free GPUs{waited}: this call needs {want} of {len(pool)}, but "
         f"{len(busy)} are in use by other gangrun calls of this user: {', '.join(busy) or '?'}. "
@@ -175,4 +192,4 @@ def _held(path: str) -> bool:
     return False
 
 
-__all__ = ["Reservation", "reserve", "lock_dir"]
+__all__ = ["Reservation", "reserve", "reserve_exact", "lock_dir"]

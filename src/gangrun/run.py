@@ -153,19 +153,17 @@ class Run:
                 "@distributed(processes=2)."
             )
         else:
-            want = o.gpus if o.gpus is not None else len(devs)
-            if want > len(devs):
-                names = ", ".join(sorted({d.name for d in devs}))
-                raise LaunchError(
-                    f"gpus={want} but this node has {len(devs)} visible GPU(s) ({names}). "
-                    f"Ask for at most gpus={len(devs)}, or run on a bigger node (backend='ray')."
-                )
-            self.world_size = want
-            from .reservation import reserve
+            from .reservation import reserve, reserve_exact
 
+            want = o.gpus if o.gpus is not None else len(devs)
+            pool = accelerators.select_devices(devs, want)
             # concurrent calls (threads, other notebooks of this user) never share a GPU
-            self._reservation = reserve(devs, want, getattr(o, "gpu_wait", 0.0))
+            if isinstance(want, int):
+                self._reservation = reserve(pool, want, o.gpu_wait)
+            else:
+                self._reservation = reserve_exact(pool, o.gpu_wait)
             self.devices = self._reservation.devices
+            self.world_size = len(self.devices)
         if o.gpu_type is not None:
             pool = self.devices or devs
             if not pool:

@@ -168,3 +168,18 @@ def test_script_travels_with_its_source(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     target()
     assert sys.argv == [str(run_dir / "gone.py"), "a", "1"]
+
+
+@pytest.mark.slow
+def test_run_with_duration_timeout_and_options_from_env(tmp_path, train):
+    env = dict(os.environ, GANGRUN_MLFLOW="0", GANGRUN_OUTPUT="rank0")
+    code, out, err = finish(
+        gangrun(tmp_path, "run", "--processes", "2", "--timeout", "1h", "train.py", env=env)
+    )
+    assert code == 0, err
+    assert "[rank 0] hello 0/2" in out and "[rank 1]" not in out  # GANGRUN_OUTPUT=rank0
+    code, out, err = finish(
+        gangrun(tmp_path, "run", "--processes", "2", "--timeout", "soon", "train.py", env=env)
+    )
+    assert code == 2
+    assert "usage: gangrun run" in err and "argument --timeout: 'soon' is not a duration" in err

@@ -1,0 +1,308 @@
+"""Defaults outside code: ``GANGRUN_<OPTION>`` variables and ``gangrun.set_defaults()``.
+
+Every option of ``@distributed`` (every field of :class:`gangrun.Options`) is taken from the
+first of these that sets it, at call time (``submit()``/``.distributed()``):
+
+1. an argument given explicitly: to ``@distributed(...)``, a ``gangrun run`` flag, or through
+   ``.options(...)`` (which replaces the decorator's value in the copy it returns);
+2. ``gangrun.set_defaults(...)`` of this session (process);
+3. the environment variable ``GANGRUN_<OPTION>`` (the field name in upper case);
+4. gangrun's built-in default.
+
+Each option is taken whole from one layer (an ``env`` dict is not merged across layers).
+``gpus`` and ``processes`` count as one choice: a layer that sets either hides both in the
+layers below it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import LaunchError
+
+PREFIX = "GANGRUN_"
+# Option names whose GANGRUN_ variable means something else inside gangrun's own processes:
+# never read as an option default. GANGRUN_RUN_ID is the per-call id every rank sees.
+NOT_FROM_ENV = {"run_id": "GANGRUN_RUN_ID is gangrun's own call id inside ranks; use MLFLOW_RUN_ID"}
+# Zero means "no limit" for these durations (as 0 did for `gangrun run --timeout 0`).
+ZERO_IS_NONE = frozenset({"timeout", "hang_timeout"})
+_WORLD = frozenset({"gpus", "processes"})
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_DURATION = re.compile(
+    r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$"
+)
+_SIZE = re.compile(r"^(?P<n>\d+(?:\.\d*)?)\s*(?P<u>[kmgt]?)(?:i?b)?$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+_lock = threading.Lock()
+_session: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------------------ parsing
+def parse_duration(text: str) -> float | None:
+    """``"90"``, ``"90s"``, ``"1.5"``, ``"15m"``, ``"2h"``, ``"1h30m"`` -> seconds; ``"none"``
+    -> ``None``. Raises ``ValueError`` for anything else."""
+    t = str(text).strip().lower().replace(" ", "")
+    if t in ("none", "inf", "null"):
+        return None
+    m = _DURATION.match(t)
+    if not t or m is None or not any(m.groupdict().values()):
+        raise ValueError(
+            f"{text!r} is not a duration: give seconds (90), or 90s, 15m, 2h, 1h30m, or none"
+        )
+    h, mi, s = (float(m.group(k) or 0) for k in ("h", "m", "s"))
+    return h * 3600 + mi * 60 + s
+
+
+def parse_size(text: str) -> int | None:
+    """``"1048576"``, ``"512MiB"``, ``"2G"`` -> bytes; ``"none"`` -> ``None``."""
+    t = str(text).strip().lower()
+    if t in ("none", "null"):
+        return None
+    m = _SIZE.match(t)
+    if m is None:
+        raise ValueError(f"{text!r} is not a size: give bytes (1048576), or 512MiB, 2GiB, or none")
+    return int(float(m.group("n")) * _UNITS[m.group("u")])
+
+
+def parse_bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError(f"{text!r} is not a boolean: give 1/0, true/false or yes/no")
+
+
+def parse_gpus(text: str) -> int | list[int] | None:
+    """``"2"`` -> 2 GPUs; ``"0,3"`` or ``"[0, 3]"`` -> those device indices; ``"none"``."""
+    t = str(text).strip().lower()
+    if t in ("none", "all", ""):
+        return None
+    is_list = t.startswith("[") or "," in t
+    items = [x.strip() for x in t.strip("[]").split(",") if x.strip()]
+    try:
+        values = [int(x) for x in items]
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a GPU count (2) or a list of device indices (0,3)"
+        ) from None
+    if not is_list and len(values) == 1:
+        return values[0]
+    return values
+
+
+def _kind(name: str, annotation: str) -> str:
+    if name == "gpus":
+        return "gpus"
+    if name == "max_capture_bytes":
+        return "size"
+    a = annotation.replace(" ", "")
+    if a.startswith("Literal"):
+        return "choice"
+    if "Mapping" in a or "dict" in a:
+        return "json"
+    if a.startswith("bool"):
+        return "bool"
+    if "float" in a:
+        return "duration"
+    if "int" in a:
+        return "int"
+    return "str"
+
+
+def _nullable(annotation: str) -> bool:
+    return "None" in annotation
+
+
+def parse_value(name: str, text: str) -> Any:
+    """The value of option ``name`` written as text (an environment variable, a CLI flag).
+
+    Raises ``ValueError`` with a message saying what was expected."""
+    field = _fields()[name]
+    ann = str(field.type)
+    kind = _kind(name, ann)
+    t = str(text).strip()
+    special = kind in ("choice", "duration", "size", "gpus")
+    if not special and _nullable(ann) and t.lower() in ("none", "null"):
+        return None
+    if kind == "gpus":
+        return parse_gpus(t)
+    if kind == "size":
+        return parse_size(t)
+    if kind == "bool":
+        return parse_bool(t)
+    if kind == "duration":
+        value = parse_duration(t)
+        if value is None and not _nullable(ann):
+            raise ValueError(f"{name} cannot be none, give a duration like 90s or 5m")
+        if value == 0 and name in ZERO_IS_NONE:
+            return None
+        return value
+    if kind == "int":
+        try:
+            return int(t)
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+    if kind == "json":
+        import json
+
+        try:
+            value = json.loads(t)
+        except ValueError as exc:
+            raise ValueError(f'{text!r} is not JSON like {{"KEY": "value"}} ({exc})') from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f'{text!r} is not a JSON object like {{"KEY": "value"}}')
+        return value
+    return t  # str, choice: checked by Options.validate
+
+
+# ------------------------------------------------------------------------------- names
+def _fields() -> dict[str, dataclasses.Field]:
+    from .api import Options
+
+    return {f.name: f for f in dataclasses.fields(Options)}
+
+
+def env_var(name: str) -> str:
+    """The environment variable that defaults option ``name``: ``GANGRUN_<NAME>``."""
+    return PREFIX + name.upper()
+
+
+def check_names(names: Iterable[str], what: str) -> None:
+    """``LaunchError`` for names that are not options, suggesting the closest valid one."""
+    import difflib
+
+    valid = sorted(_fields())
+    unknown = [n for n in names if n not in valid]
+    if not unknown:
+        return
+    parts = []
+    for n in sorted(unknown):
+        close = difflib.get_close_matches(n, valid, n=1, cutoff=0.5)
+        if not close and n.replace("num_", "").rstrip("s") + "s" in valid:
+            close = [n.replace("num_", "").rstrip("s") + "s"]
+        parts.append(f"{n!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise LaunchError(f"unknown {what}(s): {', '.join(parts)}. Valid options: {', '.join(valid)}.")
+
+
+# -------------------------------------------------------------------------------- layers
+def _check_one(name: str, value: Any, where: str) -> None:
+    from .api import Options
+
+    try:
+        Options(**{name: value}).validate()
+    except LaunchError as exc:
+        raise LaunchError(f"{where}: {exc}") from None
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The option defaults set by ``GANGRUN_<OPTION>`` variables, parsed and checked."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name in _fields():
+        var = env_var(name)
+        if name in NOT_FROM_ENV or var not in env:
+            continue
+        raw = env[var]
+        try:
+            value = parse_value(name, raw)
+        except ValueError as exc:
+            raise LaunchError(f"{var}={raw!r}: {exc}.") from None
+        if name == "env" and value is None:
+            value = {}
+        _check_one(name, value, f"{var}={raw!r}")
+        out[name] = value
+    if out.keys() >= _WORLD and None not in (out["gpus"], out["processes"]):
+        raise LaunchError(
+            f"{env_var('gpus')} and {env_var('processes')} are both set; unset one of them."
+        )
+    return out
+
+
+def set_defaults(**options: Any) -> dict[str, Any]:
+    """Default options for every call of this session (process), below explicit arguments
+    and above ``GANGRUN_<OPTION>`` variables. Each call replaces the previous session
+    defaults; ``set_defaults()`` with no arguments returns to the built-in defaults.
+
+    Returns the session defaults now in force. Raises :class:`gangrun.LaunchError` for an
+    unknown name (suggesting the closest valid one) or a bad value.
+
+    >>> gangrun.set_defaults(processes=2, timeout=600, mlflow=False)
+    """
+    check_names(options, "set_defaults option")
+    if options.get("env", {}) is None:
+        options["env"] = {}
+    if None not in (options.get("gpus"), options.get("processes")):
+        raise LaunchError("set_defaults: pass either gpus= or processes=, not both.")
+    for name, value in options.items():
+        _check_one(name, value, "set_defaults")
+    with _lock:
+        _session.clear()
+        _session.update(options)
+        return dict(_session)
+
+
+def reset_defaults() -> None:
+    """Forget the session defaults of :func:`set_defaults` (same as ``set_defaults()``)."""
+    with _lock:
+        _session.clear()
+
+
+def session_defaults() -> dict[str, Any]:
+    with _lock:
+        return dict(_session)
+
+
+def resolve(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Any:
+    """The validated :class:`gangrun.Options` for ``explicit`` arguments (see the module)."""
+    return resolve_with_sources(explicit, environ)[0]
+
+
+def resolve_with_sources(
+    explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> tuple[Any, dict[str, str]]:
+    """Like :func:`resolve`, and where each option came from: ``"argument"``,
+    ``"set_defaults"``, ``"env GANGRUN_<OPTION>"`` or ``"built-in"``."""
+    from .api import Options
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    layers = (
+        ("argument", explicit),
+        ("set_defaults", session_defaults()),
+        ("env", from_env(environ)),
+    )
+    for label, layer in layers:
+        world_taken = bool(_WORLD & values.keys())
+        for name, value in layer.items():
+            if name in values or (name in _WORLD and world_taken):
+                continue
+            values[name] = value
+            sources[name] = f"env {env_var(name)}" if label == "env" else label
+    for name in _fields():
+        sources.setdefault(name, "built-in")
+    return Options(**values).validate(), sources
+
+
+__all__ = [
+    "set_defaults",
+    "reset_defaults",
+    "session_defaults",
+    "resolve",
+    "resolve_with_sources",
+    "from_env",
+    "env_var",
+    "check_names",
+    "parse_value",
+    "parse_duration",
+    "parse_size",
+    "parse_bool",
+    "parse_gpus",
+]
