@@ -135,7 +135,7 @@ class FileCache:
                 return None
             now = time.monotonic()
             if now - self._touched.get(key, -3600.0) > 30:  # the LRU clock, 30 s resolution
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # a read-only cache: LRU order is a hint
                     os.utime(fd)
                 self._touched[key] = now
         finally:
@@ -184,7 +184,7 @@ class FileCache:
             finally:
                 os.close(fd)
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):  # renamed into place: nothing left
                 os.unlink(tmp)
 
     def _entries(self) -> Iterator[tuple[str, int, float]]:
@@ -203,7 +203,7 @@ class FileCache:
                     continue
                 if ".tmp-" in e.name:
                     if now - st.st_mtime > 3600:  # left by a killed process
-                        with contextlib.suppress(OSError):
+                        with contextlib.suppress(OSError):  # another process removed it
                             os.unlink(e.path)
                     continue
                 yield e.path, st.st_size, st.st_mtime
@@ -219,7 +219,7 @@ class FileCache:
                     break
                 if path == exclude:
                     continue
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError):  # evicted by another process
                     os.unlink(path)
                     self.evictions += 1
                 total -= size
