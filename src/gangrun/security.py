@@ -27,16 +27,21 @@ class UnsafePathError(PermissionError):
     """A path gangrun would load from is not private to this user."""
 
 
+def _owner_problem(st: os.stat_result) -> str | None:
+    """Why an entry with this ``stat`` is not this user's, or None."""
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    return None
+
+
 def check_private_dir(path: str) -> None:
     """``path`` is a real directory (no symlink), owned by this user, mode ``0700`` or stricter."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(f"{path} is not a directory (or is a symlink); not loading from it.")
-    if st.st_uid != os.getuid():
-        raise UnsafePathError(
-            f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()}); "
-            "not loading from it."
-        )
+    problem = _owner_problem(st)
+    if problem:
+        raise UnsafePathError(f"{path} {problem}; not loading from it.")
     if st.st_mode & 0o077:
         raise UnsafePathError(
             f"{path} has mode {stat.S_IMODE(st.st_mode):o}: other users can reach it; "
@@ -155,12 +160,10 @@ def make_private_dir(path: str) -> str:
                 continue
             try:
                 st = os.fstat(sub)
-                mine = st.st_uid == os.getuid()
                 if created or last:
-                    if not mine:
-                        raise _refuse(
-                            full, f"{here} is owned by uid {st.st_uid}, not by you ({os.getuid()})"
-                        )
+                    problem = _owner_problem(st)
+                    if problem:
+                        raise _refuse(full, f"{here} {problem}")
                     if created:
                         os.fchmod(sub, 0o700)  # mkdir's mode is cut by the umask; set it exactly
                 elif not _trusted_owner(st.st_uid) and st.st_mode & 0o022:
@@ -202,12 +205,11 @@ def open_log(path: str) -> BinaryIO:
         ) from exc
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise LaunchError(f"rank log {path!r} is not a regular file; not writing to it.")
-        if st.st_uid != os.getuid():
+        problem = _owner_problem(st) if stat.S_ISREG(st.st_mode) else "is not a regular file"
+        if problem:
             raise LaunchError(
-                f"rank log {path!r} is owned by uid {st.st_uid}, not by you ({os.getuid()}); "
-                "not writing to it. Remove it, or choose another log_dir=."
+                f"rank log {path!r} {problem}; not writing to it. Remove it, or choose "
+                "another log_dir=."
             )
         if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)
