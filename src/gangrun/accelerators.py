@@ -51,7 +51,7 @@ def _nvml_query() -> list[Accelerator] | None:
         try:
             pynvml.nvmlShutdown()
         except Exception:
-            pass
+            pass  # NVML never initialised (no driver): there is nothing to shut down
 
 
 def _smi_query() -> list[Accelerator] | None:

@@ -5,12 +5,17 @@ Complete lines are written prefixed ``[rank N] ``, batched per read. Carriage-re
 (tqdm) are shown as one updating line: only the newest frame of each read is written, as
 ``\\r[rank N] frame``, so a notebook cell keeps one line per bar, not thousands. A partial line
 without a carriage return is held until its newline arrives, or shown after a short idle
-time (``print(..., end="")``). Every byte a rank writes also goes, unchanged, to its log file.
+time (``print(..., end="")``) or once it is longer than ``LINE_CAP``; an open line that grows is
+appended to, never rewritten, so what reaches the caller stays within a small factor of what
+the ranks wrote, whatever the line length (a line cut by another rank's output is redrawn whole
+only when short, else continued after a ``[rank N]+`` prefix). Every byte a rank writes also
+goes, unchanged, to its log file.
 """
 
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import re
 import selectors
@@ -19,12 +24,16 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+logger = logging.getLogger("gangrun.output")
+
 _SPLIT = re.compile(r"(\r\n|\n|\r)")
 IDLE_FLUSH_S = 0.2
 READ_SIZE = 1 << 16
+LINE_CAP = 1 << 16  # a partial line longer than this is shown without waiting for the idle time
+REDRAW_MAX = 1 << 13  # a cut line longer than this is continued, not redrawn whole
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (target ownership)
 class _Stream:
     rank: int
     fd: int
@@ -32,10 +41,15 @@ class _Stream:
     log: IO[bytes]
     prefix: str
     decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-    buf: str = ""  # text of the current (incomplete) line
-    shown: bool = False  # buf is on screen as an open line
+    pending: list[str] = field(default_factory=list)  # current line, not yet written
+    npending: int = 0  # characters in pending
+    written: int = 0  # characters of the current line already written to the target
+    head: str | None = ""  # those characters while at most REDRAW_MAX, else None
     cr_line: bool = False  # the current line is being redrawn with \r
-    since: float = 0.0  # when buf became non-empty
+    since: float = 0.0  # when the current line began (the idle timer's start)
+    received: int = 0  # characters this stream sent to the target in all
+    redrawn: int = 0  # characters written a second time (redraws of cut lines)
+    log_failed: bool = False  # a log write failed (reported once)
 
 
 class _Target:
@@ -44,6 +58,7 @@ class _Target:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.owner: _Stream | None = None
+        self.failed = False  # a write failed (reported once)
 
 
 class OutputPump:
@@ -83,7 +98,7 @@ class OutputPump:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
-            pass
+            pass  # the wake pipe is full (a wake-up is pending anyway) or closed at shutdown
 
     # -- shutdown ----------------------------------------------------------------------
     def close(self, drain_timeout: float = 5.0) -> None:
@@ -102,19 +117,19 @@ class OutputPump:
                 try:
                     self._sel.unregister(fd)
                 except Exception:
-                    pass
+                    pass  # the selector is already closed: nothing left to unregister from
                 os.close(fd)
             self._streams.clear()
             for fd in (self._wake_r, self._wake_w):
                 try:
                     os.close(fd)
                 except OSError:
-                    pass
+                    pass  # closed by an earlier close(): cleanup runs once per pump anyway
             self._wake_r = self._wake_w = -1
             try:
                 self._sel.close()
             except Exception:
-                pass
+                pass  # closing twice: the selector holds nothing more
 
     # -- the loop ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -140,12 +155,12 @@ class OutputPump:
                     try:
                         os.read(self._wake_r, 4096)
                     except OSError:
-                        pass
+                        pass  # already drained (non-blocking): the wake-up did its job
                     continue
                 self._read(key.data)
             now = time.monotonic()
             for s in pending:
-                if s.buf and not s.shown and now - s.since >= IDLE_FLUSH_S:
+                if now - s.since >= IDLE_FLUSH_S:
                     self._show_partial(s)
 
     def _read(self, s: _Stream) -> None:
@@ -161,93 +176,147 @@ class OutputPump:
                 try:
                     self._sel.unregister(s.fd)
                 except Exception:
-                    pass
+                    pass  # not registered any more: the selector forgets closed pipes
                 os.close(s.fd)
                 del self._streams[s.fd]
             return
         try:
             s.log.write(data)
-        except Exception:
-            pass
+        except Exception as exc:  # a full disk must not stop the live output
+            if not s.log_failed:
+                s.log_failed = True
+                logger.warning("rank %d: its log file is incomplete: %s", s.rank, exc)
         self._feed(s, s.decoder.decode(data))
 
     # -- text handling -----------------------------------------------------------------
+    #
+    # A stream's current line is ``pending`` (received, not yet written) after ``written``
+    # characters already written to the target. While the target's open line is ours
+    # (``tgt.owner is s``), new text is appended as it comes: nothing already written is
+    # written again, so a long line without a newline costs its own length, not its length
+    # once per read. When another rank's line cut ours, the rest of ours is shown on a new
+    # line: the whole line again when it is short (``head``, at most REDRAW_MAX characters,
+    # and within a budget of what this rank wrote), else a ``[rank N]+ `` continuation.
     def _feed(self, s: _Stream, text: str) -> None:
-        out: list[str] = []
         tgt = s.target
+        if tgt is None:  # not forwarded: only count lines
+            self.lines += text.count("\n")
+            return
+        s.received += len(text)
+        out: list[str] = []
+        if not s.written and tgt.owner is None and "\r" not in text:
+            # the common case, plain complete lines: prefixed all at once
+            nl = text.rfind("\n")
+            if nl >= 0:
+                body = "".join(s.pending) + text[:nl] if s.npending else text[:nl]
+                self.lines += body.count("\n") + 1
+                out.append(s.prefix + body.replace("\n", "\n" + s.prefix) + "\n")
+                self._new_line(s, cr=False)
+                text = text[nl + 1 :]
         for piece in _SPLIT.split(text):
             if not piece:
                 continue
             if piece == "\n" or piece == "\r\n":
                 self.lines += 1
-                if tgt is not None:
-                    out.append(self._line_prefix(s, tgt) + ("" if s.shown else s.prefix + s.buf))
-                    out.append("\n")
-                    tgt.owner = None
-                s.buf, s.shown, s.cr_line = "", False, False
-            elif piece == "\r":
-                s.buf, s.shown, s.cr_line = "", False, True
+                out.append(self._emit(s, tgt, "\n"))
+            elif piece == "\r":  # a new progress frame replaces the line (inlined _new_line)
+                s.pending.clear()
+                s.npending = s.written = 0
+                s.head = ""
+                s.cr_line = True
             else:
-                if not s.buf:
+                if not s.npending and not s.written:
                     s.since = time.monotonic()
-                if s.shown and tgt is not None:
-                    # the open line grows: redraw it whole
-                    s.shown = False
-                s.buf += piece
-        # A progress frame is drawn only while no other rank's bar holds the open line: two
-        # bars cannot share the one line a text stream can rewrite, so the other rank's bar is
+                s.pending.append(piece)
+                s.npending += len(piece)
+        # A progress frame is drawn while no other rank's bar holds the open line: two bars
+        # cannot share the one line a text stream can rewrite, so the other rank's bar is
         # shown when its line ends (or once the line is free) instead of one line per frame.
-        if s.buf and s.cr_line and not s.shown and tgt is not None and tgt.owner in (None, s):
-            out.append(self._open_line(s, tgt))
-        if out and tgt is not None:
+        # A plain line already on screen is kept up to date; one too long to hold back until
+        # its newline is shown now.
+        if s.npending and (
+            s.npending > LINE_CAP or (tgt.owner in (None, s) if s.cr_line else s.written > 0)
+        ):
+            out.append(self._emit(s, tgt, ""))
+        if out:
             self._write(tgt, "".join(out))
 
-    def _line_prefix(self, s: _Stream, tgt: _Target) -> str:
-        """What to write before a line of ``s``: close another stream's open line, or
-        return the cursor to column 0 to redraw our own."""
+    @staticmethod
+    def _new_line(s: _Stream, cr: bool) -> None:
+        s.pending.clear()
+        s.npending = s.written = 0
+        s.head = ""
+        s.cr_line = cr
+
+    def _emit(self, s: _Stream, tgt: _Target, end: str) -> str:
+        """The text that brings ``s``'s current line up to date on ``tgt``, then ``end``
+        (a newline ends the line)."""
+        text = "".join(s.pending)
+        if tgt.owner is s and s.written:  # our line is open: append
+            out = text
+        else:
+            lead = self._line_prefix(s, tgt)
+            if not s.written:
+                out = lead + s.prefix + text
+            elif s.head is not None and s.redrawn + len(s.head) <= s.received + REDRAW_MAX:
+                s.redrawn += len(s.head)
+                out = lead + s.prefix + s.head + text
+            else:
+                out = lead + s.prefix[:-1] + "+ " + text
+        if end:
+            tgt.owner = None
+            self._new_line(s, cr=False)
+            return out + end
+        tgt.owner = s
+        s.pending.clear()
+        s.npending = 0
+        s.written += len(text)
+        if s.head is not None:
+            s.head = s.head + text if len(s.head) + len(text) <= REDRAW_MAX else None
+        return out
+
+    @staticmethod
+    def _line_prefix(s: _Stream, tgt: _Target) -> str:
+        """What to write before (re)drawing a line of ``s``: end another stream's open line,
+        or return the cursor to column 0 over our own (a progress bar's previous frame)."""
         if tgt.owner is not None and tgt.owner is not s:
-            other = tgt.owner
-            other.shown = False
             tgt.owner = None
             return "\n"
-        if tgt.owner is s and not s.shown:
+        if tgt.owner is s:
             return "\r"
         return ""
-
-    def _open_line(self, s: _Stream, tgt: _Target) -> str:
-        head = self._line_prefix(s, tgt)
-        if tgt.owner is s:
-            head = "\r"
-        tgt.owner = s
-        s.shown = True
-        return head + s.prefix + s.buf
 
     @staticmethod
     def _waiting(s: _Stream) -> bool:
         """A partial line that the idle timer should show (hidden bars wait for the line)."""
-        if not s.buf or s.shown or s.target is None:
+        if not s.npending or s.target is None:
             return False
         return not (s.cr_line and s.target.owner not in (None, s))
 
     def _show_partial(self, s: _Stream) -> None:
         if self._waiting(s) and s.target is not None:
-            self._write(s.target, self._open_line(s, s.target))
+            self._write(s.target, self._emit(s, s.target, ""))
 
     def _finish(self, s: _Stream) -> None:
         tail = s.decoder.decode(b"", final=True)
         if tail:
             self._feed(s, tail)
-        if s.buf or s.shown:
-            if s.target is not None:
-                text = ("" if s.shown else self._line_prefix(s, s.target) + s.prefix + s.buf) + "\n"
-                s.target.owner = None
-                self._write(s.target, text)
-            s.buf, s.shown = "", False
+        tgt = s.target
+        if tgt is None:
+            return
+        if s.npending:
+            self._write(tgt, self._emit(s, tgt, "\n"))
+        elif tgt.owner is s:  # close our open line
+            tgt.owner = None
+            self._write(tgt, "\n")
+        self._new_line(s, cr=False)
 
     @staticmethod
     def _write(tgt: _Target, text: str) -> None:
         try:
             tgt.stream.write(text)
             tgt.stream.flush()
-        except Exception:
-            pass
+        except Exception as exc:  # a closed caller stream must not stop the log files
+            if not tgt.failed:
+                tgt.failed = True
+                logger.debug("rank output could not be shown: %r", exc)

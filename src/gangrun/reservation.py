@@ -41,7 +41,7 @@ def lock_dir() -> str:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        pass
+        pass  # made by an earlier call: it is verified just below like a new one
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise LaunchError(
@@ -77,11 +77,11 @@ class Reservation:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             except OSError:
-                pass
+                pass  # closing the descriptor below releases the lock anyway
             try:
                 os.close(fd)
             except OSError:
-                pass
+                pass  # already closed: the lock is released either way
 
     def __enter__(self) -> Reservation:
         return self
@@ -115,7 +115,7 @@ def _pick(pool: Sequence[Any], want: int, directory: str, held: list[tuple[Any, 
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())
             except OSError:
-                pass
+                pass  # the pid note is for humans only; the flock is what reserves the GPU
             held.append((dev, fd))
         if len(held) == want:
             return Reservation([d for d, _ in held], [fd for _, fd in held])

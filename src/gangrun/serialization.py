@@ -140,7 +140,7 @@ def write_payload(
             try:
                 buffered.detach()
             except Exception:
-                pass
+                pass  # the size probe is done; a writer that will not detach holds nothing
     return sink.count
 
 
@@ -310,7 +310,7 @@ def atomic_dump(obj: Any, path: str) -> None:
         try:
             os.unlink(tmp)
         except OSError:
-            pass
+            pass  # never created or already gone: nothing to clean up; the real error follows
         raise
 
 

@@ -326,3 +326,61 @@ def test_import_gangrun_stays_light():
     code = "import sys, gangrun, gangrun.checkpoint; print('torch' in sys.modules, 'fsspec' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_sharding_imports_without_torch_or_fsspec():
+    """The partition logic is pure: a fresh interpreter imports it without torch or fsspec,
+    and every name the package re-exports is still reachable from ``gangrun.data``."""
+    code = (
+        "import sys, gangrun.data.sharding as s\n"
+        "bad = [m for m in ('torch', 'fsspec') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "assert s.rank_share(s.epoch_order(5, True, 0, 1), 1, 2, 'pad')\n"
+        "import gangrun.data as d\n"
+        "for name in d.__all__ + ['parse_size']:\n"
+        "    getattr(d, name)\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_sharding_is_a_partition():
+    from gangrun.data import sharding
+
+    for n in range(0, 12):
+        for world in (1, 2, 3, 4):
+            order = sharding.epoch_order(n, True, 3, 2)
+            assert sorted(order) == list(range(n))
+            pad = [sharding.rank_share(order, r, world, "pad") for r in range(world)]
+            assert len({len(p) for p in pad}) == 1
+            assert set().union(*map(set, pad)) == set(range(n))
+            drop = [sharding.rank_share(order, r, world, "drop") for r in range(world)]
+            assert len({len(p) for p in drop}) == 1 and sum(map(len, drop)) == n - n % world
+            for share in pad:
+                plans = [sharding.worker_plan(share, w, 3, None)[0] for w in range(3)]
+                assert sorted(sum(plans, [])) == sorted(share)
+
+
+def test_loader_uses_the_public_resume_api(tmp_path):
+    """Resume through the public API a custom loader would use: take the position, start
+    recording, record the tags of what was received."""
+    _fill(str(tmp_path / "d"))
+    ds = VolumeDataset(str(tmp_path / "d"), rank=0, world_size=1)
+    assert ds.resume_position() is None
+    ds.start_progress(1)
+    got = []
+    for sample, (wid, progress) in ds.iter_tagged():
+        got.append(sample)
+        ds.record_progress(wid, progress)
+        if len(got) == 3:
+            break
+    state = ds.state_dict()
+    again = VolumeDataset(str(tmp_path / "d"), rank=0, world_size=1)
+    again.load_state_dict(state)
+    start = again.resume_position()
+    assert start is not None and start["workers"][0][0] == 2
+    rest = [s for s, _ in again.iter_tagged(start)]
+    assert sorted(got + rest) == sorted(ds)
+    with pytest.raises(RuntimeError, match="start_progress"):
+        VolumeDataset(str(tmp_path / "d"), rank=0, world_size=1).record_progress(0, (0, 1, 1))

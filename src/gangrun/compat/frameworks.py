@@ -94,7 +94,7 @@ def seed_everything(seed: int) -> None:
 
         np.random.seed(seed)
     except ImportError:  # pragma: no cover
-        pass
+        pass  # NumPy is optional: nothing of it to seed
     import torch
 
     torch.manual_seed(seed)

@@ -1,0 +1,82 @@
+"""Stream files from any storage into training, sharded exactly across ranks and workers.
+
+>>> from gangrun.data import VolumeDataset
+>>> ds = VolumeDataset("s3://bucket/shards/", decode=torch.load, shuffle=True)
+>>> loader = ds.loader(batch_size=32, num_workers=2)
+>>> for epoch in range(start_epoch, epochs):
+...     ds.set_epoch(epoch)
+...     for batch in loader: ...
+
+What it guarantees (SPEC section 5):
+
+- the files under a local directory, a glob, or any fsspec URL are listed once and sorted, so
+  every rank and every DataLoader worker sees the same list;
+- each epoch every file is read exactly once, split across ranks (``RANK``/``WORLD_SIZE``) and
+  across the DataLoader workers of each rank;
+- every rank yields the same number of files per epoch: ``uneven="pad"`` (default) repeats a
+  few files so that no file is skipped, ``uneven="drop"`` leaves out the last ``n % world_size``
+  files of the epoch's order. When ``decode`` turns one file into several samples the counts
+  are only equal if every file holds as many samples; pass ``samples_per_rank=N`` to make every
+  rank yield exactly ``N`` samples whatever the files hold;
+- ``set_epoch(e)`` reshuffles (``shuffle=True``) with a permutation that depends only on
+  ``seed`` and ``e``;
+- remote files (anything but the local filesystem) are cached on local disk, bounded by
+  ``cache_limit`` bytes with least-recently-used eviction, filled atomically (temporary name,
+  then rename) under a per-file lock, so ranks and workers that want the same file download it
+  once; the cache is re-used across epochs, calls and processes;
+- ``state_dict()``/``load_state_dict()`` record how far each rank got, so a restarted gang
+  continues in the middle of an epoch (iterate the dataset directly or through
+  :meth:`VolumeDataset.loader`; a plain ``DataLoader`` with workers cannot report progress).
+
+``import gangrun`` does not import this module; importing it imports torch (the dataset is a
+``torch.utils.data.IterableDataset``), fsspec is imported when files are listed.
+
+Modules (every one importable on its own; only ``dataset`` and ``loader`` import torch):
+
+- ``listing``: :class:`FileEntry`, listing and sorting a source's files (fsspec), local reads;
+- ``sharding``: epoch order, rank shares, worker plans, position records (pure: no torch, no
+  fsspec);
+- ``cache``: :class:`FileCache`, the node-local cache of remote files;
+- ``prefetch``: reading a worker's files in order with misses fetched ahead;
+- ``dataset``: :class:`VolumeDataset`;
+- ``loader``: :class:`VolumeLoader`.
+
+The names below are loaded on first use, so ``import gangrun.data.sharding`` does not import
+torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cache import FileCache, default_cache_dir
+    from .cache import parse_size as parse_size
+    from .dataset import VolumeDataset
+    from .listing import FileEntry
+    from .loader import VolumeLoader
+
+_WHERE = {
+    "VolumeDataset": "dataset",
+    "VolumeLoader": "loader",
+    "FileCache": "cache",
+    "default_cache_dir": "cache",
+    "parse_size": "cache",
+    "FileEntry": "listing",
+}
+
+__all__ = ["VolumeDataset", "VolumeLoader", "FileCache", "FileEntry", "default_cache_dir"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,0 +1,346 @@
+""":class:`VolumeDataset`: an ``IterableDataset`` over the files of any storage, sharded
+across ranks and DataLoader workers, cached, shuffled per epoch and resumable mid-epoch.
+
+The guarantees are listed in :mod:`gangrun.data`; the pieces it is built from live in
+:mod:`.listing` (what files), :mod:`.sharding` (who reads which), :mod:`.cache` (local copies of
+remote files) and :mod:`.prefetch` (reading ahead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch.utils.data import IterableDataset
+
+from . import sharding
+from .cache import FileCache, parse_size
+from .listing import LOCAL_PROTOCOLS, FileEntry, list_files, read_local
+from .prefetch import Progress, stream
+
+if TYPE_CHECKING:
+    from .loader import VolumeLoader
+
+
+class VolumeDataset(IterableDataset):
+    """An iterable dataset over the files under ``source`` (see the module docstring).
+
+    Args:
+        source: local directory or file, glob (``"data/*.pt"``), fsspec URL (``"s3://b/p/"``,
+            ``"memory://x"``, ...) or a list of them on one filesystem.
+        decode: ``decode(data: bytes)`` -> one sample, or an *iterator* (e.g. a generator or
+            ``iter(list)``) of samples. Lists, tuples, tensors, dicts are one sample each.
+            Default: the file's bytes are the sample.
+        shuffle: shuffle the file order every epoch (same permutation on every rank).
+        seed: seed of the shuffle; epoch ``e`` uses ``(seed, e)``.
+        cache_dir: where remote files are cached (default :func:`default_cache_dir`).
+        cache_limit: cache size bound in bytes (or ``"20GB"``); default half the free space.
+        cache: ``"auto"`` (default: cache everything that is not on the local filesystem),
+            ``True`` or ``False``.
+        uneven: ``"pad"`` (default; repeat files from the start of the epoch's order so every
+            rank gets ``ceil(n / world_size)`` files and none is skipped) or ``"drop"`` (every
+            rank gets ``n // world_size`` files; the rest of the epoch's order is not read).
+        samples_per_rank: yield exactly this many samples per rank and epoch (split across
+            workers), cycling over the rank's files if they hold fewer. Use it when files
+            decode to different numbers of samples.
+        prefetch: files read ahead by a background thread in each worker (default: 4 for
+            remote, 0 for local files).
+        rank, world_size: override ``RANK``/``WORLD_SIZE`` (otherwise from the environment
+            that gangrun or torchrun sets; 0 and 1 when unset).
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for s3).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        decode: Callable[[bytes], Any] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        cache: bool | Literal["auto"] = "auto",
+        uneven: Literal["pad", "drop"] = "pad",
+        samples_per_rank: int | None = None,
+        prefetch: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if uneven not in ("pad", "drop"):
+            raise ValueError(f"uneven must be 'pad' or 'drop', got {uneven!r}")
+        if samples_per_rank is not None and samples_per_rank < 0:
+            raise ValueError("samples_per_rank must be >= 0")
+        self.source = source
+        self.decode = decode
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.uneven = uneven
+        self.samples_per_rank = samples_per_rank
+        self.storage_options = dict(storage_options or {})
+        self._rank = rank
+        self._world_size = world_size
+        self.protocol, self.files, _ = list_files(source, self.storage_options)
+        remote = self.protocol not in LOCAL_PROTOCOLS
+        self.cached = remote if cache == "auto" else bool(cache)
+        self.prefetch = (4 if remote else 0) if prefetch is None else int(prefetch)
+        self._cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self._cache_limit = parse_size(cache_limit)
+        self._cache: FileCache | None = None
+        self._cache_pid = -1
+        self._fs: Any = None
+        self._fs_pid = -1
+        self._keys: dict[str, str] = {}
+        self._epoch = 0
+        self._resume: dict[str, Any] | None = None  # applied once, by the next iteration
+        self._live: dict[str, Any] | None = None  # progress of the current/last iteration
+
+    # -- partitioning --------------------------------------------------------------------------
+
+    def rank_world(self) -> tuple[int, int]:
+        """``(rank, world_size)`` this dataset shards for (arguments, else the environment)."""
+        return sharding.rank_world(self._rank, self._world_size)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order; a different epoch than the restored one starts afresh."""
+        epoch = int(epoch)
+        if epoch != self._epoch:
+            self._resume = None
+            self._live = None
+        self._epoch = epoch
+
+    def epoch_order(self, epoch: int | None = None) -> list[int]:
+        """Indexes into :attr:`files` in the order of ``epoch`` (same on every rank)."""
+        e = self._epoch if epoch is None else epoch
+        return sharding.epoch_order(len(self.files), self.shuffle, self.seed, e)
+
+    def rank_files(self, epoch: int | None = None, rank: int | None = None) -> list[FileEntry]:
+        """The files rank ``rank`` reads in ``epoch`` (padded or dropped to equal counts)."""
+        r, world = self.rank_world()
+        r = r if rank is None else rank
+        share = sharding.rank_share(self.epoch_order(epoch), r, world, self.uneven)
+        return [self.files[i] for i in share]
+
+    def __len__(self) -> int:
+        """Samples per rank and epoch: ``samples_per_rank``, else files per rank (exact when
+        every file decodes to one sample)."""
+        if self.samples_per_rank is not None:
+            return self.samples_per_rank
+        return len(self.rank_files())
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _filesystem(self) -> Any:
+        if self._fs is None or self._fs_pid != os.getpid():
+            import fsspec
+
+            self._fs = fsspec.filesystem(self.protocol, **self.storage_options)
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    def _file_cache(self) -> FileCache:
+        if self._cache is None or self._cache_pid != os.getpid():
+            self._cache = FileCache(self._cache_dir, self._cache_limit)
+            self._cache_pid = os.getpid()
+        return self._cache
+
+    @property
+    def cache(self) -> FileCache | None:
+        """This process's view of the cache (``None`` when files are not cached)."""
+        return self._file_cache() if self.cached else None
+
+    def _key(self, entry: FileEntry) -> str:
+        key = self._keys.get(entry.path)
+        if key is None:
+            key = self._keys[entry.path] = FileCache.key(
+                self.protocol, entry.path, entry.size, entry.version
+            )
+        return key
+
+    def read(self, entry: FileEntry) -> bytes:
+        """The bytes of one listed file (through the cache for remote files)."""
+        if self.protocol in LOCAL_PROTOCOLS and not self.cached:
+            return read_local(entry)
+        fs = self._filesystem()
+        if not self.cached:
+            return bytes(fs.cat_file(entry.path))
+        return self._file_cache().get(
+            self._key(entry), lambda: bytes(fs.cat_file(entry.path)), entry.size
+        )
+
+    def _hit_reader(self) -> Callable[[FileEntry], bytes | None] | None:
+        """``f(entry)`` -> the bytes if they are at hand (local file or cache hit), else None;
+        None when nothing is ever at hand (uncached remote files)."""
+        if not self.cached:
+            return read_local if self.protocol in LOCAL_PROTOCOLS else None
+        cache = self._file_cache()
+        read_entry = cache.read_entry
+        key = self._key
+
+        def hit(entry: FileEntry) -> bytes | None:
+            data = read_entry(key(entry), entry.size)
+            if data is not None:
+                cache.hits += 1
+            return data
+
+        return hit
+
+    def _stream(
+        self, files: list[FileEntry], quota: int | None, start: Sequence[int] | None
+    ) -> Iterator[tuple[Any, Progress]]:
+        """(sample, progress) pairs; progress = (file position, samples of it done, yielded)."""
+        if not files:  # nothing to read: no cache or filesystem to set up
+            return stream(files, quota, start, read=self.read, hit=None, decode=None, prefetch=0)
+        hit = self._hit_reader()
+        return stream(
+            files,
+            quota,
+            start,
+            read=self.read,
+            hit=hit,
+            decode=self.decode,
+            prefetch=0 if hit is read_local else self.prefetch,
+        )
+
+    def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world = self.rank_world()
+        files, quota = sharding.worker_plan(
+            self.rank_files(rank=rank), wid, nw, self.samples_per_rank
+        )
+        wstart = None
+        if start is not None:
+            if sharding.same_layout(start, world, nw):
+                wstart = start["workers"][wid]
+            elif wid == 0:
+                warnings.warn(
+                    f"VolumeDataset: the saved position was made with world_size="
+                    f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
+                    f"{world} and {nw}; epoch {self._epoch} restarts from its beginning.",
+                    stacklevel=3,
+                )
+        track = info is None and not tagged  # direct iteration in this process
+        if track:
+            self.start_progress(1, start if wstart else None)
+        samples = self._stream(files, quota, wstart)
+        if tagged:
+            for sample, progress in samples:
+                yield sample, (wid, progress)
+        elif track:
+            workers = self._live["workers"]  # type: ignore[index]
+            for sample, progress in samples:
+                workers[0] = progress  # a tuple; state_dict() stores it as a JSON list
+                yield sample
+        else:
+            for sample, _ in samples:
+                yield sample
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        start = self.resume_position() if get_worker_info() is None else self._resume
+        return self._iterate(start, tagged=False)
+
+    # -- resumable state -----------------------------------------------------------------------
+    #
+    # A position is a JSON-able dict: {"epoch", "world_size", "num_workers", "files", "seed",
+    # "workers": [progress of each DataLoader worker, or None]}, where a worker's progress is
+    # [file position in its plan, samples of that file done, samples yielded in all]. Direct
+    # iteration keeps it up to date itself; a loader that runs the dataset in worker processes
+    # uses the four public methods below (see VolumeLoader).
+
+    def resume_position(self) -> dict[str, Any] | None:
+        """Take the position restored by :meth:`load_state_dict`, once: the pass that starts
+        now continues from it. ``None`` when nothing was restored, or (with a warning) when it
+        does not match this dataset's epoch or file count, so the epoch restarts."""
+        start, self._resume = self._resume, None
+        if start is None:
+            return None
+        if start.get("epoch") != self._epoch or start.get("files") != len(self.files):
+            warnings.warn(
+                "VolumeDataset: the saved position does not match this dataset (epoch or file "
+                "count changed); the epoch restarts from its beginning.",
+                stacklevel=3,
+            )
+            return None
+        return start
+
+    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+        """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
+        position ``start`` when it was made with this world size and worker count, else from
+        the beginning of the epoch. :meth:`state_dict` reports this pass from now on."""
+        _, world = self.rank_world()
+        nw = max(1, int(num_workers))
+        same = start if sharding.same_layout(start, world, nw) else None
+        self._live = sharding.progress_record(
+            self._epoch, world, nw, len(self.files), self.seed, same
+        )
+
+    def record_progress(self, worker: int, progress: Sequence[int]) -> None:
+        """Note that the training loop received worker ``worker``'s samples up to ``progress``
+        (the tag :meth:`iter_tagged` attached to them)."""
+        if self._live is None:
+            raise RuntimeError("record_progress() before start_progress()")
+        self._live["workers"][worker] = list(progress)
+
+    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+        """``(sample, (worker id, progress))`` pairs of this DataLoader worker's (or this
+        process's) share, from position ``start``; does not record progress itself — pass the
+        tags the training loop received to :meth:`record_progress`."""
+        return self._iterate(start, tagged=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "seed", "rank<R>": <json of this rank's progress>}``.
+
+        The rank's progress lives under its own key so that ``torch.distributed.checkpoint``
+        (which keeps one copy of keys shared by ranks) stores every rank's position; the
+        dataset is ``Stateful``, so ``gangrun.checkpoint.save({"data": ds, ...}, url)`` works.
+        """
+        rank, _ = self.rank_world()
+        progress = self._live if self._live is not None else self._resume
+        return {
+            "epoch": self._epoch,
+            "seed": self.seed,
+            f"rank{rank}": json.dumps(progress),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next iteration continues where this rank stopped."""
+        rank, _ = self.rank_world()
+        self._epoch = int(state["epoch"])
+        self._live = None
+        raw = state.get(f"rank{rank}")
+        progress = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+        if progress is not None and (
+            progress.get("epoch") != self._epoch or progress.get("seed") != self.seed
+        ):
+            progress = None
+        self._resume = progress
+
+    # -- DataLoader ----------------------------------------------------------------------------
+
+    def loader(self, **dataloader_kwargs: Any) -> VolumeLoader:
+        """A ``DataLoader`` over this dataset that keeps :meth:`state_dict` exact with workers."""
+        from .loader import VolumeLoader
+
+        return VolumeLoader(self, **dataloader_kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"VolumeDataset({self.source!r}, files={len(self.files)}, shuffle={self.shuffle}, "
+            f"uneven={self.uneven!r}, cached={self.cached})"
+        )
+
+
+__all__ = ["VolumeDataset"]

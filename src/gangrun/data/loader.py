@@ -1,0 +1,77 @@
+""":class:`VolumeLoader`: a ``DataLoader`` that keeps a :class:`VolumeDataset`'s position exact.
+
+Workers iterate the dataset's :meth:`~VolumeDataset.iter_tagged` view, so every sample carries
+(worker id, progress); the collate function keeps the last tag of each batch, and the loader
+hands it to :meth:`~VolumeDataset.record_progress` as the batch reaches the training loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+if TYPE_CHECKING:
+    from .dataset import VolumeDataset
+
+
+class _TaggedView(IterableDataset):
+    """What the loader's workers iterate: samples tagged with (worker id, progress)."""
+
+    def __init__(self, volume: VolumeDataset) -> None:
+        self.volume = volume
+        self.start: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.volume.iter_tagged(self.start)
+
+
+class _Collate:
+    def __init__(self, inner: Callable[[Any], Any] | None, batched: bool) -> None:
+        self.inner = inner
+        self.batched = batched
+
+    def __call__(self, items: Any) -> Any:
+        from torch.utils.data import default_collate, default_convert
+
+        if self.batched:
+            samples = [s for s, _ in items]
+            return (self.inner or default_collate)(samples), items[-1][1]
+        sample, tag = items
+        return (self.inner or default_convert)(sample), tag
+
+
+class VolumeLoader(DataLoader):
+    """``DataLoader`` for a :class:`VolumeDataset` that reports the rank's exact progress.
+
+    Takes the usual ``DataLoader`` arguments (``batch_size``, ``num_workers``, ``collate_fn``,
+    ``pin_memory``, ...) except ``persistent_workers`` (workers must see each epoch's order).
+    Every batch carries, from its worker, how far that worker got; the loader records it in
+    the dataset as the batch is handed out, so ``dataset.state_dict()`` counts exactly the
+    batches the training loop received.
+    """
+
+    def __init__(self, dataset: VolumeDataset, **kwargs: Any) -> None:
+        if kwargs.get("persistent_workers"):
+            raise ValueError("VolumeLoader does not support persistent_workers=True")
+        if "sampler" in kwargs or "batch_sampler" in kwargs or kwargs.get("shuffle"):
+            raise ValueError("VolumeDataset does its own sharding and shuffling")
+        self.volume = dataset
+        self._view = _TaggedView(dataset)
+        kwargs["collate_fn"] = _Collate(
+            kwargs.get("collate_fn"), kwargs.get("batch_size", 1) is not None
+        )
+        super().__init__(self._view, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        ds = self.volume
+        start = ds.resume_position()
+        self._view.start = start
+        ds.start_progress(max(1, int(self.num_workers)), start)
+        for batch, (wid, progress) in super().__iter__():
+            ds.record_progress(wid, progress)
+            yield batch
+
+
+__all__ = ["VolumeLoader"]

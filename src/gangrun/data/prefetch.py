@@ -1,0 +1,107 @@
+"""Reading a worker's files in order, with misses fetched ahead in background threads.
+
+:func:`stream` turns a worker's list of files into ``(sample, progress)`` pairs. Files at hand
+(cache hits, local files) are read inline; after a miss the next ``prefetch`` files are fetched
+in the background, several at a time, and the window is kept full until hits resume. This
+module does not import torch or fsspec.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: progress of a worker: (file position, samples of that file done, samples yielded in all)
+Progress = tuple[int, int, int]
+
+
+def decoded(decode: Callable[[bytes], Any] | None, data: bytes) -> Iterable[Any]:
+    """The samples of one file: ``decode(data)`` is one sample, or an iterator of samples."""
+    if decode is None:
+        return (data,)
+    out = decode(data)
+    if isinstance(out, (Iterator, types.GeneratorType)):
+        return out
+    return (out,)
+
+
+def stream(
+    files: Sequence[T],
+    quota: int | None,
+    start: Sequence[int] | None,
+    *,
+    read: Callable[[T], bytes],
+    hit: Callable[[T], bytes | None] | None,
+    decode: Callable[[bytes], Any] | None,
+    prefetch: int,
+) -> Iterator[tuple[Any, Progress]]:
+    """``(sample, progress)`` pairs of ``files``, from position ``start`` (a saved progress).
+
+    ``read(f)`` fetches a file; ``hit(f)`` returns its bytes when they are at hand without
+    waiting (else ``None``), or is ``None`` when nothing ever is. With a ``quota`` the files
+    are cycled until that many samples are yielded; otherwise each file is read once.
+    ``prefetch`` is the read-ahead window after a miss (0: no background threads).
+    """
+    fpos, skip, yielded = (list(start) + [0, 0, 0])[:3] if start else (0, 0, 0)
+    if quota is not None and yielded >= quota:
+        return
+    if not files:
+        if quota:
+            raise ValueError("samples_per_rank > 0 but this rank has no files to read")
+        return
+    n = len(files)
+    limit = n if quota is None else None
+    pool = (
+        ThreadPoolExecutor(min(prefetch, 16), thread_name_prefix="gangrun-prefetch")
+        if prefetch
+        else None
+    )
+    ahead: dict[int, Future[bytes]] = {}
+    empty_run = 0
+    try:
+        while limit is None or fpos < limit:
+            fut = ahead.pop(fpos, None) if ahead else None
+            if fut is not None:
+                data: bytes | None = fut.result()
+            else:
+                data = hit(files[fpos % n]) if hit is not None else None
+            if pool is not None and (fut is not None or data is None):
+                last = fpos + prefetch if limit is None else min(fpos + prefetch, limit - 1)
+                for i in range(fpos + 1, last + 1):
+                    if i not in ahead:
+                        ahead[i] = pool.submit(read, files[i % n])
+            if data is None:
+                data = read(files[fpos % n])
+            if decode is None and not skip:  # the common case, without a per-sample loop
+                k = 1
+                yielded += 1
+                yield data, (fpos, 1, yielded)
+                if quota is not None and yielded >= quota:
+                    return
+            else:
+                k = 0
+                for sample in decoded(decode, data):
+                    k += 1
+                    if k <= skip:
+                        continue
+                    yielded += 1
+                    yield sample, (fpos, k, yielded)
+                    if quota is not None and yielded >= quota:
+                        return
+            empty_run = empty_run + 1 if k == 0 else 0
+            if quota is not None and empty_run > n:
+                raise ValueError("samples_per_rank: none of this rank's files holds a sample")
+            fpos += 1
+            skip = 0
+    finally:
+        if pool is not None:
+            for pending in ahead.values():
+                pending.cancel()
+            pool.shutdown(wait=False)
+
+
+__all__ = ["Progress", "decoded", "stream"]
