@@ -1,7 +1,8 @@
 """The ``gangrun`` command: run a script on every rank, or show what a rank would see.
 
     gangrun run [--gpus N | --processes N] [--timeout S] [--backend ray] [--address A]
-                [--no-mlflow] [--output all|rank0|none] script.py [args...]
+                [--no-mlflow] [--experiment-name E] [--run-name N] [--run-id ID]
+                [--tag KEY=VALUE]... [--output all|rank0|none] script.py [args...]
     gangrun run [...] -m package.module [args...]
     gangrun info [--gpus N | --processes N] [--json]
 
@@ -128,6 +129,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="extra environment variable for every rank (repeatable)",
     )
+    mlf = run.add_argument_group("MLflow (see docs/tracking.md)")
+    mlf.add_argument(
+        "--experiment-name", help="put the run in this MLflow experiment (created if missing)"
+    )
+    mlf.add_argument("--run-name", help="name of the MLflow run (default: the script's name)")
+    mlf.add_argument("--run-id", help="resume this MLflow run (same id, metric history continued)")
+    mlf.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra tag on the MLflow run (repeatable)",
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs="*", help="script.py [args...]")
 
@@ -143,12 +157,12 @@ def _timeout(text: str) -> float | None:
     return float(text)
 
 
-def _env(pairs: list[str]) -> dict[str, str]:
+def _env(pairs: list[str], flag: str = "--env") -> dict[str, str]:
     out = {}
     for item in pairs:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"gangrun: --env takes KEY=VALUE, got {item!r}")
+            raise SystemExit(f"gangrun: {flag} takes KEY=VALUE, got {item!r}")
         out[key] = value
     return out
 
@@ -189,6 +203,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
             backend=ns.backend,
             address=ns.address,
             log_dir=ns.log_dir,
+            experiment_name=ns.experiment_name,
+            run_name=ns.run_name,
+            run_id=ns.run_id,
+            tags=_env(ns.tag, "--tag"),
         ).validate()
     except (DistributedError, ValueError) as exc:
         print(f"gangrun: {exc}", file=sys.stderr)
