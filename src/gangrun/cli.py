@@ -329,6 +329,10 @@ _VALUED = {
     "--max-restarts",
     "--log-dir",
     "--env",
+    "--experiment-name",
+    "--run-name",
+    "--run-id",
+    "--tag",
 }
 
 
