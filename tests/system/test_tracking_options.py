@@ -32,13 +32,13 @@ def mlflow_server(tmp_path_factory):
     port = _free_port()
     env = dict(os.environ, HOME=str(d), MLFLOW_DISABLE_TELEMETRY="true")
     env.pop("MLFLOW_TRACKING_URI", None)
-    log = open(d / "server.log", "wb")
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--backend-store-uri", f"sqlite:///{d}/server.db", "--workers", "1"]
     cmd += ["--artifacts-destination", str(d / "artifacts")]
-    proc = subprocess.Popen(
-        cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    with open(d / "server.log", "wb") as log:  # the server holds its own copy
+        proc = subprocess.Popen(
+            cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -61,11 +61,10 @@ def mlflow_server(tmp_path_factory):
             pass
         try:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
+            proc.wait(5)
         except (OSError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        log.close()
         deadline = time.monotonic() + 10
         alive = [p for p in tree if psutil.pid_exists(p)]
         while alive and time.monotonic() < deadline:
@@ -115,18 +114,27 @@ def _steps(client, run_id, key):
 
 @distributed(processes=2, timeout=90)
 def train(lr: float, epochs: int, start_file: str = "", fail_at: int = -1) -> int:
-    """Logs loss for steps [start, epochs); the start step comes from a "checkpoint" file."""
+    """Logs loss for steps [start, epochs); the start step comes from a "checkpoint" file that
+    rank 0 writes after each step. ``fail_at``: rank 1 fails there, once rank 0 got there."""
     import os
+    import time
 
     import mlflow
 
+    def saved() -> int:
+        if start_file and os.path.exists(start_file):
+            with open(start_file) as f:
+                return int(f.read() or 0)
+        return 0
+
     rank = int(os.environ["RANK"])
-    start = 0
-    if start_file and os.path.exists(start_file):
-        with open(start_file) as f:
-            start = int(f.read())
-    for step in range(start, epochs):
-        if step == fail_at and rank == 1:
+    for step in range(saved(), epochs):
+        if step == fail_at:
+            if rank == 0:
+                time.sleep(80)  # stopped by the teardown
+            deadline = time.monotonic() + 60
+            while saved() != fail_at and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise RuntimeError(f"lost rank 1 at step {step}")
         mlflow.log_metric(f"loss/{rank}", lr * (epochs - step), step=step)
         if rank == 0 and start_file:
@@ -329,3 +337,32 @@ def test_bad_tracking_input_is_a_launch_error_before_anything_starts(
         assert store.get_run(run.info.run_id).info.status == "FINISHED"
     assert not list(logs.rglob("rank-*")), "a rank started"
     assert _children() <= before, "a process started"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_system_metrics_on_by_default_for_gpu_calls(store, monkeypatch):
+    from gangrun import accelerators
+    from gangrun.accelerators import Accelerator
+
+    # a mock stands in for the GPU we lack; the rank itself needs none
+    fake = [Accelerator(0, "NVIDIA H100 80GB HBM3", f"GPU-tracking-{os.getpid()}")]
+    monkeypatch.setattr(accelerators, "detect", lambda: fake)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+
+    @distributed(gpus=1, timeout=90)
+    def nap() -> str:
+        import os
+        import time
+
+        time.sleep(2.5)
+        return os.environ["CUDA_VISIBLE_DEVICES"]
+
+    h = nap.submit()
+    assert h.result(timeout=90) == ["0"]
+    metrics = store.get_run(h.mlflow_run_id).data.metrics
+    assert any(k.startswith("system/cpu") for k in metrics), sorted(metrics)
+    h = nap.options(log_system_metrics=False).submit()
+    h.result(timeout=90)
+    metrics = store.get_run(h.mlflow_run_id).data.metrics
+    assert not [k for k in metrics if k.startswith("system/")], sorted(metrics)

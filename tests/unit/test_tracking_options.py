@@ -42,9 +42,9 @@ def test_bad_mlflow_options(kwargs, fragment):
 
 
 def test_good_mlflow_options():
-    f = distributed(
-        processes=1, experiment_name="e", run_name="r", run_id="abc", tags={"k": "v"}
-    )(_noop)
+    f = distributed(processes=1, experiment_name="e", run_name="r", run_id="abc", tags={"k": "v"})(
+        _noop
+    )
     s = f.settings
     assert (s.experiment_name, s.run_name, s.run_id, dict(s.tags)) == ("e", "r", "abc", {"k": "v"})
     assert distributed(processes=1, tags=None)(_noop).settings.tags == {}
