@@ -122,26 +122,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--output", choices=("all", "rank0", "none"), default="all")
     run.add_argument("--max-restarts", type=int, default=0)
     run.add_argument("--log-dir", help="keep every rank's log under this directory")
-    run.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra environment variable for every rank (repeatable)",
-    )
+
+    def pairs(group: Any, flag: str, help_text: str) -> None:
+        group.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help_text)
+
+    pairs(run, "--env", "extra environment variable for every rank (repeatable)")
     mlf = run.add_argument_group("MLflow (see docs/tracking.md)")
     mlf.add_argument(
         "--experiment-name", help="put the run in this MLflow experiment (created if missing)"
     )
     mlf.add_argument("--run-name", help="name of the MLflow run (default: the script's name)")
     mlf.add_argument("--run-id", help="resume this MLflow run (same id, metric history continued)")
-    mlf.add_argument(
-        "--tag",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra tag on the MLflow run (repeatable)",
-    )
+    pairs(mlf, "--tag", "extra tag on the MLflow run (repeatable)")
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs="*", help="script.py [args...]")
 
