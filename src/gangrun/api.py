@@ -69,7 +69,12 @@ class Options:
     start_method: Literal["auto", "spawn", "forkserver"] = "auto"
     backend: Literal["local", "ray"] = "local"
     address: str | None = None
-    log_system_metrics: bool = False
+    # MLflow (docs/tracking.md); log_system_metrics None: on for gpus= calls, off for processes=
+    log_system_metrics: bool | None = None
+    experiment_name: str | None = None
+    run_name: str | None = None
+    run_id: str | None = None
+    tags: Mapping[str, str] = field(default_factory=dict)
     hang_timeout: float | None = None
     # GPUs busy with another call of this user: wait up to this many seconds for them
     # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
@@ -134,6 +139,31 @@ class Options:
                 raise LaunchError(f"env has an invalid variable name {k!r}.")
             if not isinstance(v, (str, int, float)) or "\0" in str(v):
                 raise LaunchError(f"env[{k!r}] must be a string, got {v!r}.")
+        # --- MLflow options (the store-dependent checks are in gangrun.tracking.plan)
+        for name in ("experiment_name", "run_name", "run_id"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v.strip()):
+                raise LaunchError(f"{name} must be a non-empty string or None, got {v!r}.")
+        if self.tags is None:
+            object.__setattr__(self, "tags", {})
+        if not isinstance(self.tags, Mapping):
+            raise LaunchError(f"tags must be a dict of str to str, got {self.tags!r}.")
+        for k, v in self.tags.items():
+            if not (isinstance(k, str) and k.strip()) or not isinstance(v, str):
+                raise LaunchError(
+                    f"tags must map non-empty str keys to str values; got {k!r}: {v!r} "
+                    f"({type(k).__name__} -> {type(v).__name__}). Convert with str()."
+                )
+        if self.log_system_metrics not in (None, True, False):
+            raise LaunchError(
+                f"log_system_metrics must be True, False or None, got {self.log_system_metrics!r}."
+            )
+        if self.run_id is not None and not self.mlflow:
+            raise LaunchError(
+                f"run_id={self.run_id!r} resumes an MLflow run, but mlflow=False turns tracking "
+                "off: drop one of them."
+            )
+        # --- end of the MLflow options
         if self.max_capture_bytes is not None:
             _int("max_capture_bytes", self.max_capture_bytes, 1)
         if (
@@ -144,9 +174,8 @@ class Options:
             raise LaunchError(
                 f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}."
             )
-        for name in ("mlflow", "log_system_metrics"):
-            if not isinstance(getattr(self, name), bool):
-                raise LaunchError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if not isinstance(self.mlflow, bool):
+            raise LaunchError(f"mlflow must be True or False, got {self.mlflow!r}.")
         return self
 
 
@@ -348,6 +377,10 @@ def distributed(
     env: Mapping[str, str] | None = None,
     max_restarts: int = ...,
     output: Literal["all", "rank0", "none"] = ...,
+    experiment_name: str | None = None,
+    run_name: str | None = None,
+    run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
     **more: Any,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]: ...
 

@@ -13,8 +13,7 @@ from typing import Any
 
 from . import defaults as _defaults
 
-# The tracking options (experiment_name, run_name, run_id, tags) get their flags from the
-# tracking module's own section of the CLI.
+# Options whose flags sit in the "MLflow" group of the help (docs/tracking.md).
 TRACKING_OPTIONS = ("experiment_name", "run_name", "run_id", "tags")
 
 
@@ -59,27 +58,37 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "address": (("--address",), "ADDR", "Ray cluster address (backend ray; default RAY_ADDRESS)"),
     "log_system_metrics": (("--system-metrics",), _ON_OFF, "log CPU/GPU/memory metrics to the MLflow run (default: off)"),
     "hang_timeout": (("--hang-timeout",), "DURATION", "stop when a rank makes no progress this long (default: off)"),
+    "experiment_name": (("--experiment-name",), "NAME", "put the MLflow run in this experiment (created if missing)"),
+    "run_name": (("--run-name",), "NAME", "name of the MLflow run (default: the script's name)"),
+    "run_id": (("--run-id",), "ID", "resume this MLflow run (same id, metric history continued)"),
+    "tags": (("--tag",), "KEY=VALUE", "extra tag on the MLflow run (repeatable)"),
     "gpu_wait": (("--gpu-wait",), "DURATION", "wait this long for GPUs busy with another call of yours (default 0: fail at once; none: no limit)"),
 }
 # fmt: on
 FLAGS: dict[str, tuple[str, ...]] = {option: row[0] for option, row in _ROWS.items()}
+_PAIRS = ("env", "tags")  # repeatable KEY=VALUE flags
 _BOOLEAN = tuple(o for o, row in _ROWS.items() if row[1] is _ON_OFF)
 
 
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
     """Add a flag for every option (defaults suppressed: only given flags are set)."""
     world = parser.add_mutually_exclusive_group()
+    tracking = parser.add_argument_group("MLflow (see docs/tracking.md)")
     for option, (flags, how, text) in _ROWS.items():
         kw: dict[str, Any] = {"dest": option, "default": argparse.SUPPRESS, "help": text}
-        target = world if option in ("gpus", "processes") else parser
+        target: Any = parser
+        if option in ("gpus", "processes"):
+            target = world
+        elif option in TRACKING_OPTIONS:
+            target = tracking
         if how is _ON_OFF:
             kw["action"] = argparse.BooleanOptionalAction
         elif isinstance(how, tuple):
             kw["choices"] = how
         else:
             kw["metavar"] = how
-            kw["type"] = _env_pair if option == "env" else _typed(option)
-            if option == "env":
+            kw["type"] = _env_pair if option in _PAIRS else _typed(option)
+            if option in _PAIRS:
                 kw["action"] = "append"
         target.add_argument(*flags, **kw)
 
@@ -87,8 +96,9 @@ def add_option_flags(parser: argparse.ArgumentParser) -> None:
 def options_from_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The options given on the command line (the explicit layer of the defaults)."""
     given = {name: getattr(ns, name) for name in _defaults_fields() if hasattr(ns, name)}
-    if "env" in given:
-        given["env"] = dict(given["env"])
+    for name in _PAIRS:
+        if name in given:
+            given[name] = dict(given[name])
     return given
 
 

@@ -305,14 +305,8 @@ class Run:
     def tracking_info(self) -> dict[str, Any]:
         o = self.opts
         from . import __version__
+        from .tracking import call_arguments
 
-        scalars = {}
-        for k, v in self.kwargs.items():
-            if isinstance(v, (int, float, str, bool)) or v is None:
-                scalars[k] = v
-        for i, v in enumerate(self.args):
-            if isinstance(v, (int, float, str, bool)) or v is None:
-                scalars[f"arg{i}"] = v
         return {
             "function": self.fn_name,
             "world_size": self.world_size,
@@ -322,9 +316,9 @@ class Run:
             "timeout": o.timeout,
             "version": __version__,
             "host": socket.gethostname(),
-            "args": scalars,
+            "args": call_arguments(self.fn, self.args, self.kwargs),  # by parameter name
             "run_id": self.run_id,
-            "log_system_metrics": getattr(o, "log_system_metrics", False),
+            "options": o,  # experiment_name, run_name, run_id, tags, log_system_metrics
         }
 
     def _launch_attempt(self) -> None:

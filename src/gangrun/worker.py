@@ -227,10 +227,9 @@ def run_rank(run_dir: str, rank: int) -> int:
 def main() -> None:
     faulthandler.enable(all_threads=True)
     start_liveness_watchdog()
-    if os.environ.get("MLFLOW_RUN_ID"):
-        from .tracking import flush_in_rank
+    from .tracking.rank import RankRuns
 
-        before_exit.append(flush_in_rank)
+    rank_runs = RankRuns()  # notes the call's MLFLOW_RUN_ID before user code can consume it
     run_dir = os.environ["GANGRUN_RUN_DIR"]
     rank = int(os.environ["RANK"])
     if os.environ.get("GANGRUN_HANG_TIMEOUT"):
@@ -238,6 +237,7 @@ def main() -> None:
 
         install(run_dir, rank)
     code = run_rank(run_dir, rank)
+    before_exit.insert(0, lambda: rank_runs.end(succeeded=code == 0))
     _flush_and_exit(code)
 
 

@@ -82,7 +82,8 @@ def test_run_has_metrics_from_every_rank_params_and_logs(store, capsys):
     p = run.data.params
     assert p["function"].endswith("_train")
     assert (p["world_size"], p["processes"], p["timeout"]) == ("2", "2", "60")
-    assert (p["arg0"], p["epochs"], p["tag"]) == ("0.5", "3", "hello")
+    assert (p["lr"], p["epochs"], p["tag"]) == ("0.5", "3", "hello")  # positional by name
+    assert "arg0" not in p
     t = run.data.tags
     assert t["gangrun.version"] == gangrun.__version__
     assert t["gangrun.host"]

@@ -50,7 +50,7 @@ import gangrun  # noqa: E402
 from gangrun import Options  # noqa: E402
 from gangrun import defaults as _defaults  # noqa: E402
 from gangrun.cli import _parsers, main  # noqa: E402
-from gangrun.cli_options import FLAGS, TRACKING_OPTIONS, options_from_args, speak_cli  # noqa: E402
+from gangrun.cli_options import FLAGS, options_from_args, speak_cli  # noqa: E402
 
 FLAG_CASES = [
     (["--gpus", "2"], "gpus", 2),
@@ -81,6 +81,10 @@ FLAG_CASES = [
     (["--hang-timeout", "2m"], "hang_timeout", 120.0),
     (["--gpu-wait", "10m"], "gpu_wait", 600.0),
     (["--gpu-wait", "none"], "gpu_wait", None),
+    (["--experiment-name", "exp"], "experiment_name", "exp"),
+    (["--run-name", "nightly"], "run_name", "nightly"),
+    (["--run-id", "0123abc"], "run_id", "0123abc"),
+    (["--tag", "team=vision", "--tag", "n=a=b"], "tags", {"team": "vision", "n": "a=b"}),
 ]
 
 
@@ -106,7 +110,7 @@ def test_each_flag_reaches_the_options(argv, option, value, no_defaults):
 def test_every_option_has_a_flag_with_help():
     run = _parsers()[1]
     helps = {a.dest: a.help for a in run._actions}
-    fields = {f.name for f in dataclasses.fields(Options)} - set(TRACKING_OPTIONS)
+    fields = {f.name for f in dataclasses.fields(Options)}
     assert fields <= set(helps), fields - set(helps)
     assert all(helps[f] for f in fields)
     assert fields <= {c[1] for c in FLAG_CASES}  # and each one is exercised above

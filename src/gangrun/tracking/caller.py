@@ -1,25 +1,32 @@
-"""MLflow tracking for a call (mlflow is imported lazily, only when tracking is on).
+"""MLflow tracking for a call, caller side (mlflow is imported lazily, only when tracking is on).
 
 Interface used by the run: ``Tracker.start(info, stdout)`` before launch (returns ``None`` when
-MLflow is unavailable), ``tracker.rank_env()`` for the ranks, ``tracker.finish(status, error,
-logs)`` once the call is over. Only the caller ever ends the run.
+MLflow is unavailable; raises ``LaunchError`` on bad tracking input), ``tracker.rank_env()``
+for the ranks, ``tracker.finish(status, error, logs)`` once the call is over. Only the caller
+ever ends the call's run.
 
-The run is created with ``MlflowClient`` (never the fluent ``start_run``), so the caller's own
-fluent run stack is left exactly as it was; when the caller has an active run the new run is
-its child (``mlflow.parentRunId``). Ranks get ``MLFLOW_RUN_ID``/``MLFLOW_TRACKING_URI``/
-``MLFLOW_EXPERIMENT_ID``: MLflow's fluent API in a rank then *resumes* this run, and because a
-rank ends with ``os._exit`` (see ``worker.py``) MLflow's exit hook never ends it from there.
+The run is created (or resumed) with ``MlflowClient`` (never the fluent ``start_run``), so the
+caller's own fluent run stack is left exactly as it was; when the caller has an active run the
+new run is its child (``mlflow.parentRunId``). Ranks get ``MLFLOW_RUN_ID``/
+``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_ID``: MLflow's fluent API in a rank then *resumes*
+this run, and the rank's exit hook (:mod:`gangrun.tracking.rank`) never ends it there.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import shlex
 import sys
 import time
 import warnings
 from typing import Any
-from urllib.parse import urlparse
+
+from ..errors import LaunchError
+from .plan import RunPlan, context_tags, plan_run, resolve_log_system_metrics, scalar_str
+from .plan import resolve_tracking_uri as resolve_tracking_uri
+from .plan import run_link as run_link
+
+log = logging.getLogger("gangrun.tracking")
 
 # Tag and param names gangrun writes on the run.
 TAG_ERROR = "gangrun.error"
@@ -27,52 +34,9 @@ TAG_ERROR_TYPE = "gangrun.error_type"
 TAG_ERROR_RANK = "gangrun.error_rank"
 TAG_STATUS_REASON = "gangrun.status_reason"
 TAG_RUN_ID = "gangrun.run_id"
+TAG_RESUMES = "gangrun.resumes"  # how many calls resumed this run
+_ERROR_TAGS = (TAG_ERROR, TAG_ERROR_TYPE, TAG_ERROR_RANK, TAG_STATUS_REASON)
 _MAX_TAG = 5000  # MLflow accepts 8000 characters per tag value; keep well below
-_MAX_PARAM = 500
-
-
-def resolve_tracking_uri(uri: str, cwd: str | None = None) -> str:
-    """``uri`` with any relative local path made absolute, so ranks reach the same store."""
-    base = cwd or os.getcwd()
-    if uri.startswith("sqlite:///"):
-        rest = uri[len("sqlite:///") :]
-        path, sep, query = rest.partition("?")
-        if path and path != ":memory:" and not path.startswith("/"):
-            return "sqlite:///" + os.path.abspath(os.path.join(base, path)) + sep + query
-        return uri
-    parsed = urlparse(uri)
-    if uri == "databricks" or uri.startswith("databricks-uc"):
-        return uri
-    if parsed.scheme == "":
-        return os.path.abspath(os.path.join(base, uri))
-    if parsed.scheme == "file" and not parsed.netloc:
-        path = uri[len("file:") :].lstrip()
-        if path.startswith("//"):
-            path = path[2:]
-        if not path.startswith("/"):
-            return "file://" + os.path.abspath(os.path.join(base, path))
-    return uri
-
-
-def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The line printed for a run: a UI URL for a server, else the id and the ``mlflow ui``
-    command that shows the store."""
-    scheme = urlparse(tracking_uri).scheme
-    if scheme in ("http", "https"):
-        url = f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-        return f"gangrun: MLflow run {run_id}: {url}"
-    if scheme.startswith("databricks"):
-        return f"gangrun: MLflow run {run_id} (experiment {experiment_id}) on {tracking_uri}"
-    return (
-        f"gangrun: MLflow run {run_id} (experiment {experiment_id}). View it with: "
-        f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)}  then open "
-        f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
-    )
-
-
-def _scalar_str(v: Any) -> str:
-    s = str(v)
-    return s if len(s) <= _MAX_PARAM else s[: _MAX_PARAM - 3] + "..."
 
 
 class Tracker:
@@ -87,17 +51,21 @@ class Tracker:
         self.tracking_uri = tracking_uri
         self.experiment_name: str | None = None
         self.parent_run_id: str | None = None
+        self.resume_number = 0  # 0: a run of its own; N: the Nth call that resumed this run
         self._monitor: Any = None
         self._finished = False
 
     # ------------------------------------------------------------------ start
     @classmethod
     def start(cls, info: dict[str, Any], stdout: Any) -> Tracker | None:
-        """Create the run (nested under the caller's active run, if any) and print its link.
+        """Create (or resume) the run and print its link.
 
-        Returns ``None``, after a one-line note, when MLflow is not installed or its store
-        cannot be reached: tracking must never stop the training itself.
+        Raises ``LaunchError`` for bad tracking input (a run to resume that does not exist, an
+        experiment that does not match it). Returns ``None``, after a one-line note, when
+        MLflow is not installed or its store cannot be used: tracking must never stop the
+        training itself.
         """
+        opts = info.get("options")
         try:
             with warnings.catch_warnings():
                 # `import mlflow` imports tqdm.auto, which warns in a kernel without ipywidgets
@@ -105,6 +73,12 @@ class Tracker:
                 import mlflow
                 from mlflow.tracking import MlflowClient
         except ImportError:
+            resume_id = getattr(opts, "run_id", None)
+            if resume_id is not None:
+                raise LaunchError(
+                    f"run_id={resume_id!r} resumes an MLflow run, but mlflow is not installed "
+                    "here: pip install mlflow (or drop run_id=)."
+                ) from None
             _note(
                 stdout,
                 "gangrun: mlflow is not installed, so this call is not tracked "
@@ -115,33 +89,20 @@ class Tracker:
         try:
             uri = resolve_tracking_uri(mlflow.get_tracking_uri())
             client = MlflowClient(tracking_uri=uri)
-            parent_id, experiment_id = _parent_and_experiment(mlflow, client)
-            tags = _run_tags(info, parent_id)
-            try:
-                from mlflow.tracking.context import registry as context_registry
-
-                tags = context_registry.resolve_tags(tags)  # user, source, git commit
-            except Exception:
-                pass
-            run = client.create_run(
-                experiment_id=experiment_id, tags=tags, run_name=str(info.get("function"))
-            )
-            tracker = cls(client, run.info.run_id, experiment_id, uri)
-            tracker.parent_run_id = parent_id
-            try:
-                tracker.experiment_name = client.get_experiment(experiment_id).name
-            except Exception:
-                pass
-            tracker._log_params(info)
-            if info.get("log_system_metrics"):
+            plan = plan_run(opts, info, mlflow, client, uri)
+            tracker = cls._open(client, plan, info)
+            tracker._log_params(info, plan)
+            if resolve_log_system_metrics(opts, info):
                 tracker._start_system_metrics(stdout)
+        except LaunchError:
+            raise
         except BaseException as exc:
             if tracker is not None:  # half set up (or interrupted): do not leave it RUNNING
                 status = "FAILED" if isinstance(exc, Exception) else "KILLED"
                 try:
                     tracker.finish(status, exc, {})
-                except Exception:
-                    pass
+                except Exception as inner:
+                    log.warning("could not end the half-created MLflow run: %s", inner)
             if not isinstance(exc, Exception):
                 raise
             _note(
@@ -150,20 +111,60 @@ class Tracker:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",
             )
             return None
-        _note(stdout, run_link(uri, experiment_id, tracker.run_id or ""))
+        link = run_link(uri, tracker.experiment_id, tracker.run_id or "", tracker.resume_number > 0)
+        _note(stdout, link)
         return tracker
 
-    def _log_params(self, info: dict[str, Any]) -> None:
+    @classmethod
+    def _open(cls, client: Any, plan: RunPlan, info: dict[str, Any]) -> Tracker:
+        opts = info.get("options")
+        tags = _run_tags(info, plan.parent_run_id)
+        tags.update({str(k): str(v) for k, v in (getattr(opts, "tags", None) or {}).items()})
+        resume = plan.resume_run
+        if resume is None:
+            tags = {**context_tags(), **tags}
+            run = client.create_run(
+                experiment_id=plan.experiment_id, tags=tags, run_name=plan.run_name
+            )
+            tracker = cls(client, run.info.run_id, plan.experiment_id, plan.tracking_uri)
+            tracker.parent_run_id = plan.parent_run_id
+        else:
+            run_id = resume.info.run_id
+            tracker = cls(client, run_id, plan.experiment_id, plan.tracking_uri)
+            tracker.resume_number = int(resume.data.tags.get(TAG_RESUMES, "0") or 0) + 1
+            # back to RUNNING first: from here on finish() ends it whatever happens
+            client.update_run(run_id, status="RUNNING", name=plan.run_name)
+            for key in _ERROR_TAGS:  # the failed attempt's error no longer describes the run
+                if key in resume.data.tags:
+                    client.delete_tag(run_id, key)
+            tags.pop("mlflow.parentRunId", None)  # a resumed run keeps its own parent
+            tags[TAG_RESUMES] = str(tracker.resume_number)
+            _set_tags(client, run_id, tags)
+        try:
+            tracker.experiment_name = client.get_experiment(plan.experiment_id).name
+        except Exception as exc:  # only the ranks' MLFLOW_EXPERIMENT_NAME is missing then
+            log.debug("experiment %s has no readable name: %s", plan.experiment_id, exc)
+        return tracker
+
+    def _log_params(self, info: dict[str, Any], plan: RunPlan) -> None:
         from mlflow.entities import Param
 
         params: dict[str, str] = {}
         for key in ("function", "world_size", "processes", "gpus", "gpu_type", "timeout"):
             v = info.get(key)
             if v is not None:
-                params[key] = _scalar_str(v)
+                params[key] = scalar_str(v)
         for k, v in (info.get("args") or {}).items():
             name = k if k not in params else f"arg.{k}"
-            params[name] = _scalar_str(v)
+            params[name] = scalar_str(v)
+        if plan.resume_run is not None:
+            # MLflow params are immutable: keep the run's values; a resumed call's differing
+            # values are logged as resume<N>.<name>, new names as they are.
+            old = plan.resume_run.data.params
+            prefix = f"resume{self.resume_number}."
+            params = {
+                (k if k not in old else prefix + k): v for k, v in params.items() if old.get(k) != v
+            }
         if params:
             self.client.log_batch(
                 self.run_id, params=[Param(k, v) for k, v in params.items()], synchronous=True
@@ -173,7 +174,11 @@ class Tracker:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            mon = SystemMetricsMonitor(self.run_id, tracking_uri=self.tracking_uri)
+            mon = SystemMetricsMonitor(
+                self.run_id,
+                tracking_uri=self.tracking_uri,
+                resume_logging=self.resume_number > 0,
+            )
             mon.start()
             self._monitor = mon
         except Exception as exc:
@@ -203,10 +208,11 @@ class Tracker:
                 self._monitor.finish()
             except Exception as exc:
                 problems.append(f"system metrics: {exc}")
+        logs_at = "logs" if not self.resume_number else f"logs/resume{self.resume_number}"
         for rank, path in sorted(log_files.items()):
             try:
                 if os.path.exists(path):
-                    self.client.log_artifact(self.run_id, path, artifact_path="logs")
+                    self.client.log_artifact(self.run_id, path, artifact_path=logs_at)
             except Exception as exc:
                 problems.append(f"log of rank {rank}: {exc}")
         tags: dict[str, str] = {}
@@ -223,44 +229,31 @@ class Tracker:
                 self.client.log_text(self.run_id, text, "gangrun_error.txt")
             except Exception as exc:
                 problems.append(f"error text: {exc}")
-        for k, v in tags.items():
-            try:
-                self.client.set_tag(self.run_id, k, v)
-            except Exception as exc:
-                problems.append(f"tag {k}: {exc}")
+        problems += _set_tags(self.client, self.run_id, tags, strict=False)
         self.client.set_terminated(self.run_id, status, end_time=int(time.time() * 1000))
         if problems:
             print("gangrun: the MLflow run is incomplete: " + "; ".join(problems), file=sys.stderr)
+
+
+def _set_tags(client: Any, run_id: Any, tags: dict[str, str], strict: bool = True) -> list[str]:
+    """Set ``tags`` one by one; with ``strict=False`` the failures are returned, not raised."""
+    problems: list[str] = []
+    for k, v in tags.items():
+        try:
+            client.set_tag(run_id, k, v)
+        except Exception as exc:
+            if strict:
+                raise
+            problems.append(f"tag {k}: {exc}")
+    return problems
 
 
 def _note(stream: Any, line: str) -> None:
     try:
         stream.write(line + "\n")
         stream.flush()
-    except Exception:
-        pass
-
-
-def _parent_and_experiment(mlflow: Any, client: Any) -> tuple[str | None, str]:
-    """The caller's active run (if any) and the experiment the new run belongs in."""
-    active = mlflow.active_run()
-    parent_id: str | None = None
-    if active is not None:
-        return active.info.run_id, active.info.experiment_id
-    env_run = os.environ.get("MLFLOW_RUN_ID")
-    if env_run:  # e.g. a script started by `mlflow run`: its run is the parent
-        try:
-            parent = client.get_run(env_run)
-            return parent.info.run_id, parent.info.experiment_id
-        except Exception:
-            pass
-    try:
-        from mlflow.tracking.fluent import _get_experiment_id
-
-        experiment_id = _get_experiment_id()
-    except Exception:
-        experiment_id = None
-    return parent_id, str(experiment_id if experiment_id is not None else "0")
+    except Exception as exc:  # the caller's stdout is closed: the line goes to the log only
+        log.info("%s (stdout unusable: %s)", line, exc)
 
 
 def _run_tags(info: dict[str, Any], parent_id: str | None) -> dict[str, str]:
@@ -271,25 +264,9 @@ def _run_tags(info: dict[str, Any], parent_id: str | None) -> dict[str, str]:
         "gangrun.host": str(info.get("host")),
         TAG_RUN_ID: str(info.get("run_id")),
     }
-    for key in ("processes", "gpus", "gpu_type", "timeout"):
+    for key in ("processes", "gpus", "gpu_type", "timeout", "backend"):
         if info.get(key) is not None:
             tags[f"gangrun.{key}"] = str(info[key])
     if parent_id is not None:
         tags["mlflow.parentRunId"] = parent_id
     return tags
-
-
-def flush_in_rank() -> None:
-    """``worker.before_exit`` hook: a rank leaves with ``os._exit``, which skips MLflow's exit
-    hook (good: that hook would end the run) but also its flushes. Flush what the user's code
-    queued with asynchronous logging; never end the run."""
-    mlflow = sys.modules.get("mlflow")
-    if mlflow is None:
-        return
-    for name in ("flush_async_logging", "flush_artifact_async_logging"):
-        fn = getattr(mlflow, name, None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:
-                pass
