@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
     from .hang import heartbeat
+    from .interactive.magic import load_ipython_extension
+    from .interactive.rank import rank_state
+    from .interactive.session import Gang
 
 _LAZY = {
     "distributed": "api",
@@ -36,6 +39,9 @@ _LAZY = {
     "device": "accelerators",
     "backend": "accelerators",
     "heartbeat": "hang",
+    "Gang": "interactive.session",
+    "rank_state": "interactive.rank",
+    "load_ipython_extension": "interactive.magic",
 }
 
 
@@ -67,5 +73,7 @@ __all__ = [
     "DistributedCancelledError",
     "DistributedHangError",
     "heartbeat",
+    "Gang",
+    "rank_state",
     "__version__",
 ]
