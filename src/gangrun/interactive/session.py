@@ -82,7 +82,7 @@ class Gang:
     """
 
     def __init__(
-        self, *, interrupt_grace: float = 2.0, start_timeout: float = 300.0, **options: Any
+        self, *, interrupt_grace: float = 1.5, start_timeout: float = 300.0, **options: Any
     ) -> None:
         global _last
         if options.get("max_restarts"):
@@ -265,15 +265,15 @@ class Gang:
         return self._exchange(("run", payload), f"{name}()")
 
     def _check_usable(self) -> RunHandle[None]:
-        if self._closed:
-            raise DistributedError(
-                "this gang is closed. Call g.restart() for fresh ranks, or create a new "
-                "gangrun.Gang(...)."
-            )
         if self._broken:
             raise DistributedError(
                 f"this gang is broken ({self._broken}); its ranks were stopped. Call "
                 "g.restart() for fresh ranks (their state is lost)."
+            )
+        if self._closed:
+            raise DistributedError(
+                "this gang is closed. Call g.restart() for fresh ranks, or create a new "
+                "gangrun.Gang(...)."
             )
         assert self._handle is not None
         if self._handle.done():
