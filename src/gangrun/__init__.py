@@ -75,5 +75,6 @@ __all__ = [
     "heartbeat",
     "Gang",
     "rank_state",
+    "load_ipython_extension",
     "__version__",
 ]
