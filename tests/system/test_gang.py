@@ -190,7 +190,9 @@ def test_broken_gang_ends_its_mlflow_run_failed():
     g = gangrun.Gang(processes=2)
     run_id = g.handle.mlflow_run_id
     with pytest.raises(gangrun.DistributedError, match="rank 0"):
-        g.execute("import os\nif os.environ['RANK'] == '0':\n    os._exit(3)\nimport time\ntime.sleep(30)")
+        g.execute(
+            "import os\nif os.environ['RANK'] == '0':\n    os._exit(3)\nimport time\ntime.sleep(30)"
+        )
     assert mlflow.MlflowClient().get_run(run_id).info.status == "FAILED"
     g.close()
 
