@@ -11,6 +11,7 @@ from typing import Any
 
 
 def _distributed(line: str, cell: str) -> Any:
+    __tracebackhide__ = True  # IPython: the cell's error, not the magic's frames
     from IPython import get_ipython
 
     from .session import Gang, last_gang

@@ -32,6 +32,7 @@ from .. import serialization
 from ..api import DEFAULT_TIMEOUT, Options, RunHandle, distributed
 from ..errors import DistributedError, DistributedTimeoutError, LaunchError
 from . import protocol
+from .outcome import PerRank, failure
 from .rank import HELLO, gang
 
 log = logging.getLogger("gangrun.interactive")
@@ -58,13 +59,6 @@ def _release(socks: dict[int, socket.socket], path: str) -> None:
     socks.clear()
     if path:
         shutil.rmtree(path, ignore_errors=True)
-
-
-class PerRank(list):  # type: ignore[type-arg]
-    """Per-rank values in rank order; shown one line per rank in a notebook."""
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text("\n".join(f"[rank {r}] {v!r}" for r, v in enumerate(self)))
 
 
 class Gang:
@@ -243,6 +237,7 @@ class Gang:
     def execute(self, code: str) -> list[Any]:
         """Run ``code`` on every rank in its persistent namespace; the value of its last
         expression per rank, in rank order (``None`` where it ends in a statement)."""
+        __tracebackhide__ = True  # IPython: show the ranks' error, not this frame
         if not isinstance(code, str):
             raise TypeError(f"execute() takes the code as a string, got {type(code).__name__}")
         cell = next(_cells)
@@ -252,6 +247,7 @@ class Gang:
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every warm rank; per-rank results in rank order.
         Inside, :func:`gangrun.rank_state` is the namespace that :meth:`execute` uses."""
+        __tracebackhide__ = True
         if not callable(fn):
             raise LaunchError(f"Gang.run takes a function, got {fn!r}")
         limit = self.options.max_capture_bytes
@@ -281,6 +277,7 @@ class Gang:
         return self._handle
 
     def _exchange(self, msg: tuple, what: str) -> PerRank:
+        __tracebackhide__ = True  # IPython: show the ranks' error, not this frame
         if not self._lock.acquire(blocking=False):
             raise DistributedError(
                 "another execution is running on this gang; wait for it (one at a time)."
@@ -355,6 +352,7 @@ class Gang:
         limit: float | None,
     ) -> None:
         """SIGINT the ranks still running; kill those not back within the grace period."""
+        __tracebackhide__ = True
         for r in sorted(pending):
             try:
                 os.kill(self._pids[r], signal.SIGINT)
@@ -444,6 +442,7 @@ class Gang:
     def _outcome(
         self, replies: dict[int, tuple], what: str, stopped: str | None, limit: float | None
     ) -> PerRank:
+        __tracebackhide__ = True
         values = PerRank([None] * len(self._socks))
         failed: dict[int, dict[str, Any]] = {}
         for r in sorted(replies):
@@ -467,41 +466,10 @@ class Gang:
                 "and the gang is still usable."
             )
         if failed:
-            raise self._failure(failed, values, what)
+            raise failure(
+                failed, values, what, None if self._handle is None else self._handle.run_id
+            )
         return values
-
-    def _failure(
-        self, failed: dict[int, dict[str, Any]], values: PerRank, what: str
-    ) -> DistributedError:
-        ranks = sorted(failed)
-        first = failed[ranks[0]]
-        names = ", ".join(map(str, ranks))
-        lines = [
-            f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {names} (of "
-            f"{len(values)}): {first['exc_type']}: {first['message']}",
-            "The gang is still usable; ranks that did not fail keep their state.",
-        ]
-        by_tb: dict[str, list[int]] = {}
-        for r in ranks:
-            by_tb.setdefault(failed[r]["traceback"], []).append(r)
-        for tb, rs in by_tb.items():
-            label = ", ".join(map(str, rs))
-            lines.append(f"\n[rank{'s' if len(rs) > 1 else ''} {label}] {tb.rstrip()}")
-        err = DistributedError(
-            "\n".join(lines),
-            rank=ranks[0],
-            traceback=first["traceback"],
-            exc_type=first["exc_type"],
-            run_id=None if self._handle is None else self._handle.run_id,
-        )
-        err.ranks = ranks  # type: ignore[attr-defined]
-        err.results = values  # type: ignore[attr-defined]
-        if first.get("exc"):
-            try:
-                err.__cause__ = pickle.loads(first["exc"])
-            except Exception:  # a class that cannot be rebuilt here: the text says it all
-                log.debug("gang: cannot rebuild rank %d's exception", ranks[0], exc_info=True)
-        return err
 
 
 def _close_all() -> None:
