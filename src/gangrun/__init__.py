@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .api import DistributedFunction, Options, RunHandle, distributed
     from .defaults import reset_defaults, set_defaults
     from .hang import heartbeat
+    from .interactive.magic import load_ipython_extension
+    from .interactive.rank import rank_state
+    from .interactive.session import Gang
 
 _LAZY = {
     "distributed": "api",
@@ -40,6 +43,9 @@ _LAZY = {
     "heartbeat": "hang",
     "set_defaults": "defaults",
     "reset_defaults": "defaults",
+    "Gang": "interactive.session",
+    "rank_state": "interactive.rank",
+    "load_ipython_extension": "interactive.magic",
 }
 
 
@@ -73,5 +79,8 @@ __all__ = [
     "heartbeat",
     "set_defaults",
     "reset_defaults",
+    "Gang",
+    "rank_state",
+    "load_ipython_extension",
     "__version__",
 ]

@@ -1,0 +1,151 @@
+"""The rank side of an interactive gang: :func:`gang` (the long-lived call every rank runs)
+and :func:`rank_state` (the namespace that cells and functions share on a rank).
+
+Imports nothing heavy: a rank that only serves cells pays for nothing it does not use.
+"""
+
+from __future__ import annotations
+
+import builtins
+import linecache
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any
+
+from . import protocol
+
+HELLO = struct.Struct("!32sii")  # token, rank, pid: checked before anything is unpickled
+
+_state: dict[str, Any] | None = None
+_executing = False
+_written = [0]  # bytes written through sys.stdout/sys.stderr (see protocol: out_bytes)
+
+
+def rank_state() -> dict[str, Any]:
+    """This rank's persistent namespace in a :class:`gangrun.Gang`: the globals that
+    ``g.execute(code)`` runs in, so functions passed to ``g.run`` share state with cells."""
+    if _state is None:
+        raise RuntimeError(
+            "gangrun.rank_state() is only available on the ranks of a gangrun.Gang "
+            "(inside g.execute(...) or g.run(fn)); a plain .distributed() call has no "
+            "persistent namespace."
+        )
+    return _state
+
+
+class _Counting:
+    """A text stream that counts the bytes it forwards (so the caller can wait for them)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._enc = getattr(inner, "encoding", None) or "utf-8"
+        self._errors = getattr(inner, "errors", None) or "strict"
+
+    def write(self, s: str) -> int:
+        n = self._inner.write(s)
+        try:
+            _written[0] += len(s.encode(self._enc, self._errors))
+        except (UnicodeError, LookupError, TypeError):
+            _written[0] += len(s)  # an estimate is enough: it only bounds a short wait
+        return int(n) if n is not None else len(s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    # The caller interrupts only running executions; one arriving while the rank waits for
+    # the next command (a race with the reply) must not break the loop.
+    if _executing:
+        raise KeyboardInterrupt
+
+
+def _trimmed_tb(exc: BaseException) -> str:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:
+    from ..worker import _error_record as record
+
+    return record(rank, exc, _trimmed_tb(exc))
+
+
+def _run(msg: tuple, ns: dict[str, Any]) -> Any:
+    if msg[0] == "exec":
+        _, cell_id, source = msg
+        filename = protocol.cell_filename(cell_id)
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        body, last = protocol.compile_cell(source, filename)
+        exec(body, ns)
+        return None if last is None else eval(last, ns)
+    if msg[0] == "run":
+        import pickle
+
+        fn, args, kwargs = pickle.loads(msg[1])
+        return fn(*args, **kwargs)
+    raise ValueError(f"unknown gang command {msg[0]!r}")
+
+
+def _guarded(msg: tuple, ns: dict[str, Any]) -> tuple[bool, Any]:
+    """Run one command; ``(True, value)`` or ``(False, exception)``. A SIGINT can turn into a
+    KeyboardInterrupt only while ``_executing`` is set, and then always lands in here."""
+    global _executing
+    try:
+        _executing = True
+        try:
+            return True, _run(msg, ns)
+        finally:
+            _executing = False
+    except BaseException as exc:
+        return False, exc
+
+
+def _reply(rank: int, ok: bool, value: Any) -> tuple:
+    if ok:
+        from .. import serialization
+
+        try:
+            return ("ok", None if value is None else serialization.dumps(value))
+        except Exception as exc:
+            msg = (
+                f"rank {rank}: the value ({type(value).__module__}.{type(value).__qualname__}) "
+                f"cannot be serialized: {type(exc).__name__}: {exc}. End the cell with a "
+                "statement (e.g. `x = ...;`) or return plain data; the value stays on the rank."
+            )
+            return ("err", _error_record(rank, TypeError(msg)) | {"traceback": msg + "\n"})
+    return ("err", _error_record(rank, value))
+
+
+def gang(address: str, token: str) -> None:
+    """Serve a :class:`gangrun.Gang` on this rank until the caller closes it."""
+    global _state
+    rank = int(os.environ.get("RANK", "0"))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    _state = {"__name__": "__main__", "__builtins__": builtins}
+    sys.stdout = _Counting(sys.stdout)
+    sys.stderr = _Counting(sys.stderr)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_sigint)
+    sock.sendall(HELLO.pack(token.encode("ascii"), rank, os.getpid()))
+    while True:
+        msg = protocol.recv(sock)
+        if msg is None or msg[0] == "close":
+            break
+        ok, value = _guarded(msg, _state)
+        reply = _reply(rank, ok, value)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or odd stream replaced by user code: nothing to flush
+                continue
+        protocol.send(sock, (*reply, _written[0]))
+    sock.close()

@@ -1,0 +1,73 @@
+"""The pure parts of interactive gangs: cell compilation and message framing."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+import gangrun
+from gangrun.interactive import protocol
+from gangrun.interactive.rank import rank_state
+
+
+def _run_cell(source: str, ns: dict):
+    body, last = protocol.compile_cell(source, "<gang-cell-test>")
+    exec(body, ns)
+    return None if last is None else eval(last, ns)
+
+
+def test_last_expression_is_the_value():
+    ns: dict = {}
+    assert _run_cell("x = 2\nx * 21", ns) == 42
+    assert _run_cell("y = x + 1", ns) is None and ns["y"] == 3
+    assert _run_cell("for i in range(3):\n    pass\ni", ns) == 2
+    assert _run_cell("", ns) is None
+    assert _run_cell("# only a comment", ns) is None
+    assert _run_cell("x; y", ns) == 3
+
+
+def test_syntax_error_names_the_cell():
+    with pytest.raises(SyntaxError) as ei:
+        protocol.compile_cell("a = 1\nb = (", protocol.cell_filename(7))
+    assert ei.value.filename == "<gang-cell-7>"
+
+
+def test_framing_roundtrip_in_pieces():
+    msgs = [("exec", 1, "x = 1"), ("ok", b"\x00" * 100_000, 12), ("close",)]
+    data = b"".join(protocol.frame(m) for m in msgs)
+    reader = protocol.Reader()
+    got = []
+    for i in range(0, len(data), 777):  # arbitrary chunk boundaries
+        got += reader.feed(data[i : i + 777])
+    assert got == msgs
+
+
+def test_framing_over_a_socket_and_eof():
+    a, b = socket.socketpair()
+    with a, b:
+        protocol.send(a, ("run", b"payload"))
+        assert protocol.recv(b) == ("run", b"payload")
+        a.shutdown(socket.SHUT_WR)
+        assert protocol.recv(b) is None
+
+
+def test_oversized_header_is_refused():
+    reader = protocol.Reader()
+    with pytest.raises(ValueError, match="not a gangrun peer"):
+        reader.feed(protocol.HEADER.pack(protocol.MAX_MESSAGE + 1))
+
+
+def test_rank_state_outside_a_gang_says_where_it_works():
+    with pytest.raises(RuntimeError, match="only available on the ranks of a gangrun.Gang"):
+        rank_state()
+    assert gangrun.rank_state is rank_state
+
+
+def test_gang_option_errors():
+    with pytest.raises(gangrun.LaunchError, match="unknown"):
+        gangrun.Gang(processes=2, bogus=1)
+    with pytest.raises(gangrun.LaunchError, match="max_restarts"):
+        gangrun.Gang(processes=2, max_restarts=1)
+    with pytest.raises(gangrun.LaunchError, match="timeout"):
+        gangrun.Gang(processes=2, timeout=-1)
