@@ -402,4 +402,4 @@ def test_cli_flags(store, tmp_path):
     assert run.data.metrics["x"] == 1.0
     code, out = gangrun("--run-id", "0" * 32)
     assert code == 2, out
-    assert f"run_id='{'0' * 32}': no such MLflow run in the tracking store {store.uri}" in out
+    assert f"--run-id {'0' * 32}: no such MLflow run in the tracking store {store.uri}" in out
