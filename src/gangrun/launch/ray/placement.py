@@ -12,7 +12,7 @@ from .. import GangSpec, RankSpec, RayPlacement
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Per-node variables the actor computes (the caller's values mean nothing on another node).
-_NODE_LOCAL = ("CUDA_VISIBLE_DEVICES", "GANGRUN_CWD")
+_NODE_LOCAL = ("CUDA_VISIBLE_DEVICES",)
 
 
 def ray_module() -> Any:
