@@ -78,9 +78,7 @@ def _start_helper_and(pid_path: str, end: str) -> str:
 @pytest.mark.parametrize("end", ["return", "raise"])
 def test_detached_helper_does_not_outlive_the_call(tmp_path, method, end):
     """Item 10: a helper in its own session with its own env outlived a normal call."""
-    fn = distributed(processes=2, mlflow=False, start_method=method, timeout=60)(
-        _start_helper_and
-    )
+    fn = distributed(processes=2, mlflow=False, start_method=method, timeout=60)(_start_helper_and)
     path = str(tmp_path / "helper")
     if end == "return":
         assert fn.distributed(path, end) == ["done", "done"]
@@ -116,9 +114,13 @@ def _printf_native(n: int) -> int:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_native_printf_arrives(capfd, method):
+def test_native_printf_arrives(capfd, monkeypatch, method):
     """Item 7: C-level printf from a fork-server rank was lost (full C stdio buffer that
-    os._exit never flushed)."""
+    os._exit never flushed), unless the server happened to start with PYTHONUNBUFFERED."""
+    from gangrun.launch import forkserver
+
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    forkserver.discard_server()  # a server started without it
     fn = distributed(processes=2, mlflow=False, start_method=method, timeout=60)(_printf_native)
     assert fn.distributed(3) == [3, 3]
     out = capfd.readouterr().out
