@@ -51,9 +51,7 @@ class Info:
 
 @dataclass(frozen=True)
 class Assign:
-    """To an idle child: become this rank (fds: stdout, stderr, liveness read end)."""
-
-    rank: ForkRank
+    rank: ForkRank  # to an idle child: become it (fds: stdout, stderr, liveness read end)
 
 
 @dataclass(frozen=True)
@@ -69,16 +67,20 @@ class ServerInfo:
 
 @dataclass(frozen=True)
 class Forked:
-    pids: list[int]
+    pids: list[int]  # in the order of the request's ranks
 
 
 @dataclass(frozen=True)
 class Failed:
+    """A request could not be served; nothing of it was started."""
+
     error: str
 
 
 @dataclass(frozen=True)
 class Ready:
+    """The answer to :class:`Init`: preloading is done."""
+
     info: ServerInfo
 
 

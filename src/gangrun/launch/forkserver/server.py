@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 
 from ... import platform
+from ..spawn import close_fds
 from . import protocol as p
 
 POOL_MAX = 16  # idle pre-forked children kept at most
@@ -181,7 +182,7 @@ class Server:
         elif isinstance(msg, p.Info):
             p.send(self.sock, self.info())
         else:
-            spawn_close(fds)
+            close_fds(fds)
             p.send(self.sock, p.Failed(f"unknown request {type(msg).__name__}"))
 
     def fork(self, ranks: list[p.ForkRank], fds: list[int]) -> list[int]:
@@ -204,14 +205,14 @@ class Server:
                     os.killpg(pid, signal.SIGKILL)
                 except OSError:
                     pass  # already gone
-            spawn_close(fds[n * len(pids) :])
+            close_fds(fds[n * len(pids) :])
             raise
         return pids
 
     def _took(self, pid: int, mine: list[int]) -> int:
         out_w, err_w, live_r, status_w = mine
         self.status[pid] = status_w
-        spawn_close([out_w, err_w, live_r])
+        close_fds([out_w, err_w, live_r])
         return pid
 
     def _assign_idle(self, r: p.ForkRank, mine: list[int]) -> int | None:
@@ -286,22 +287,12 @@ class Server:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         fds = [self.sock.fileno(), self.alive_w, self.wake_r, self.wake_w]
         fds += list(self.status.values()) + [s.fileno() for _, s in self.pool] + list(close)
-        spawn_close([fd for fd in fds if fd not in keep])
+        close_fds([fd for fd in fds if fd not in keep])
         self.sock.detach()
         for _, s in self.pool:
             s.detach()
         self.pool = []
         self.status = {}
-
-
-def spawn_close(fds: list[int]) -> None:
-    for fd in fds:
-        if fd < 0:
-            continue
-        try:
-            os.close(fd)
-        except OSError:
-            continue  # already closed
 
 
 def serve(fd: int, gangrun_parent: str) -> None:
