@@ -48,7 +48,9 @@ def start_method(spec: GangSpec) -> str:
 
 def choose_spawner(spec: GangSpec) -> Spawner:
     """Ray when the spec carries a placement; else the fork server where usable (``auto``)
-    or asked for, falling back to fresh interpreters, once, here, when it cannot start."""
+    or asked for, falling back to fresh interpreters, once, here, when it cannot start.
+    An environment the kernel would not start a process with is refused first."""
+    check_env(spec.ranks)
     if spec.placement is not None or "bundle" in spec.extra:  # extra: transitional (RayRun)
         from .ray.spawner import RaySpawner
 
@@ -96,7 +98,6 @@ class ProcessGang:
     # -- start ------------------------------------------------------------------------
     def start(self) -> None:
         spec = self.spec
-        check_env(spec.ranks)
         live_r, self._live_w = os.pipe()
         reads: list[tuple[RankSpec, int, int]] = []
         todo: list[tuple[RankSpec, RankIO]] = []
