@@ -409,9 +409,10 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
 
 
 def _stop_all_at_exit() -> None:
-    from . import run
+    from . import launch, run
 
     run.stop_all()
+    launch.shutdown()  # after the calls: close the fork servers
 
 
 atexit.register(_stop_all_at_exit)

@@ -31,8 +31,12 @@ Read by the caller (settings of the launch machinery, not per-call options):
 ``GANGRUN_CACHE_DIR``               :mod:`gangrun.data`'s local file cache
 ==================================  ======================================================
 
-Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (room in the server's environ block
-that a forked rank overwrites with its own environment, so ``/proc/PID/environ`` shows it).
+Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (32 KiB of room in the server's environ
+block that a forked rank overwrites with its own environment, ``GANGRUN_*`` first, so
+``/proc/PID/environ`` shows it; variables beyond that room are missing from that view only,
+never from the rank's ``os.environ``). Every start method refuses, before anything starts, an
+environment the kernel would not exec (one variable over 128 KiB, or the whole over
+``ARG_MAX``): :mod:`gangrun.launch.limits`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import time
+from typing import Any
 
 log = logging.getLogger("gangrun.platform")
 
@@ -119,3 +120,129 @@ def wait_gone(pid: int, timeout: float) -> bool:
         return bool(p.poll(int(timeout * 1000)))
     finally:
         os.close(pfd)
+
+
+# ----------------------------------------------------------------- subreaper, C stdio, fork
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _libc() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no C library to talk to
+        return None
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (``PR_SET_CHILD_SUBREAPER``):
+    an orphaned descendant, even one in its own session with its own environment, re-parents
+    to this process instead of init, so :func:`kill_children` still finds it."""
+    libc = _libc()
+    try:
+        return libc is not None and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except AttributeError:  # pragma: no cover - not Linux
+        return False
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """Direct children of ``pid`` (default: this process), from ``/proc/PID/task/*/children``."""
+    pid = os.getpid() if pid is None else pid
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found += [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return found
+
+
+def kill_children(keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """SIGKILL every descendant of this process except the subtrees rooted at ``keep``
+    (whatever session or environment they have). Returns the pids signalled."""
+    import psutil
+
+    hit: list[int] = []
+    for pid in child_pids():
+        if pid in keep:
+            continue
+        try:
+            victims = [psutil.Process(pid)]
+            victims += victims[0].children(recursive=True)
+        except psutil.Error:
+            continue  # already gone
+        for v in victims:
+            try:
+                v.kill()
+                hit.append(v.pid)
+            except psutil.Error:
+                pass  # exited meanwhile
+    if hit:
+        log.debug("killed leftover descendants %s", hit)
+    return hit
+
+
+def flush_c_stdio() -> None:
+    """``fflush(NULL)``: write out what C code (``printf`` in NCCL, C++ extensions, CUDA
+    libraries) left in C stdio buffers; ``os._exit`` skips it."""
+    libc = _libc()
+    try:
+        if libc is not None:
+            libc.fflush(None)
+    except (AttributeError, OSError):  # pragma: no cover - no C stdio to flush
+        return
+
+
+def set_c_stdio_buffering(unbuffered: bool) -> None:
+    """Buffer C ``stdout``/``stderr`` as a fresh interpreter would over a pipe: unbuffered
+    with ``PYTHONUNBUFFERED`` (what Python's start-up does), else line buffered (not the
+    full buffering a forked child inherits, whose bytes ``os._exit`` would drop)."""
+    import ctypes
+
+    libc = _libc()
+    if libc is None:  # pragma: no cover
+        return
+    mode = 2 if unbuffered else 1  # _IONBF, _IOLBF (glibc)
+    for name in ("stdout", "stderr"):
+        try:
+            stream = ctypes.c_void_p.in_dll(libc, name)
+            libc.setvbuf(stream, None, mode if name == "stdout" else 2, 0)
+        except (ValueError, AttributeError):  # pragma: no cover - not glibc/musl
+            continue
+
+
+class _AtFork:
+    """Objects to tell, in a child forked from this process, that they are not theirs:
+    liveness pipes and fork-server channels must not keep a dead caller's ranks alive."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self.objects: weakref.WeakSet[object] = weakref.WeakSet()
+        self.registered = False
+
+
+_at_fork = _AtFork()
+
+
+def forget_in_forked_child(obj: object) -> None:
+    """Call ``obj._after_fork_in_child()`` in any child this process forks from now on."""
+    if not _at_fork.registered:
+        _at_fork.registered = True
+        os.register_at_fork(after_in_child=_run_after_fork)
+    _at_fork.objects.add(obj)
+
+
+def _run_after_fork() -> None:
+    for obj in list(_at_fork.objects):
+        try:
+            obj._after_fork_in_child()  # type: ignore[attr-defined]
+        except Exception:  # never break the user's fork
+            log.debug("after-fork cleanup of %r failed", obj, exc_info=True)
+    _at_fork.objects.clear()

@@ -25,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from . import platform
+
 # Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
 before_exit: list[Callable[[], None]] = []
 
@@ -158,6 +160,7 @@ def _flush_and_exit(code: int) -> None:
             stream.flush()
         except Exception:
             pass
+    platform.flush_c_stdio()  # printf from C code: os._exit skips C stdio's flush
     os._exit(code)
 
 

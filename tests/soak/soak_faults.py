@@ -11,7 +11,14 @@ gloo ``recv``).
 
 kinds: ``exception``, ``exit`` (``sys.exit(code)``; ``os._exit(code)`` where no Python frame
 can raise), ``sigkill``, ``sigsegv``, ``hang``; and for caller-side faults (``interrupt``,
-``cancel``, ``caller_kill``) no rank fails: every rank does its work and then waits.
+``cancel``, ``caller_kill``, ``caller_forks``) no rank fails: every rank does its work and
+then waits.
+
+Scenario kinds (no ``point``): ``long_line`` (the victim writes a long line without a newline,
+then raises), ``native_printf`` (every rank prints through C ``printf``, which must arrive),
+``concurrent_env`` (two calls at once with different start-up environments: both succeed),
+and, only when named in ``GANGRUN_SOAK_KINDS``, ``early_exit0`` (the victim exits 0 without a
+result while its peers run: it must be the root cause).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import threading
 import time
 
 RANK_KINDS = ("exception", "exit", "sigkill", "sigsegv", "hang")
-CALLER_KINDS = ("interrupt", "cancel", "caller_kill")
+CALLER_KINDS = ("interrupt", "cancel", "caller_kill", "caller_forks")
+SCENARIO_KINDS = ("long_line", "native_printf", "concurrent_env")
+OPTIONAL_KINDS = ("early_exit0",)  # passes once a rank's early exit 0 counts as a failure
 CHEAP_POINTS = ("startup", "print", "checkpoint", "return")
 TORCH_POINTS = ("before_init", "collective")
 
@@ -78,10 +87,42 @@ def _wait_forever() -> None:
         time.sleep(3600)
 
 
+def native_marker(plan: dict, rank: int) -> str:
+    return f"soak-native seed {plan['seed']} rank {rank}"
+
+
+def _scenario(plan: dict, rank: int, me: bool) -> object:
+    kind = plan["kind"]
+    if kind == "long_line":
+        if me:
+            sys.stdout.write("y" * plan["long"])
+            sys.stdout.flush()
+            fault("exception", plan["code"])
+        _wait_forever()
+    if kind == "native_printf":
+        libc = ctypes.CDLL(None)
+        marker = native_marker(plan, rank).encode()
+        libc.printf(b"%s line\n", marker)
+        libc.printf(b"%s tail", marker)  # no newline: flushed at the rank's exit
+        return rank
+    if kind == "concurrent_env":
+        time.sleep(plan["delay"] / 2)
+        return [rank, os.environ.get("PYTHONHASHSEED")]
+    if kind == "early_exit0":
+        if me:
+            time.sleep(plan["delay"] / 4)
+            sys.stdout.flush()
+            os._exit(0)
+        _wait_forever()
+    raise AssertionError(f"unknown scenario {kind}")
+
+
 def soak_rank(plan: dict) -> object:
     rank = int(os.environ["RANK"])
     me = rank == plan["victim"]
     kind, code, point = plan["kind"], plan["code"], plan["point"]
+    if kind in SCENARIO_KINDS + OPTIONAL_KINDS:
+        return _scenario(plan, rank, me)
     caller_side = kind in CALLER_KINDS
     if plan["child_rank"] == rank:
         _spawn_child(plan["setsid"])

@@ -31,9 +31,12 @@ import pytest
 from soak_faults import (
     CALLER_KINDS,
     CHEAP_POINTS,
+    OPTIONAL_KINDS,
     RANK_KINDS,
+    SCENARIO_KINDS,
     TORCH_POINTS,
     SoakFault,
+    native_marker,
     ok_rank,
     soak_rank,
 )
@@ -56,10 +59,15 @@ HERE = Path(__file__).resolve().parent
 def make_plan(seed: int, ckpt_dir: str) -> dict:
     rng = random.Random(seed)
     world = rng.choice([2, 2, 2, 3])
-    kind = rng.choices(RANK_KINDS + CALLER_KINDS, weights=[16, 14, 14, 14, 8, 8, 8, 6], k=1)[0]
+    kinds = RANK_KINDS + CALLER_KINDS + SCENARIO_KINDS
+    weights = [16, 14, 14, 14, 8, 8, 8, 6, 3, 3, 3, 3]
+    optional = [k for k in OPTIONAL_KINDS if k in KINDS]  # off unless asked for by name
+    kind = rng.choices(kinds + tuple(optional), weights=weights + [6] * len(optional), k=1)[0]
     point = rng.choices(CHEAP_POINTS + TORCH_POINTS, weights=[24, 20, 20, 18, 7, 11], k=1)[0]
-    if kind == "caller_kill" and point in TORCH_POINTS:
+    if kind in ("caller_kill", "caller_forks") and point in TORCH_POINTS:
         point = "print"  # keep subprocess-caller runs cheap
+    if kind in SCENARIO_KINDS + OPTIONAL_KINDS:
+        point = "scenario"
     plan = {
         "seed": seed,
         "world": world,
@@ -79,7 +87,13 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
         # hang: caught by the call's timeout, or by the stuck-rank guard (hang_timeout)
         "guard": kind == "hang" and rng.random() < 0.5,
         "caller_signal": rng.choice(["SIGKILL", "SIGINT"]),
+        "long": rng.choice([64 << 10, 256 << 10, 1 << 20]),
+        "hashseed": str(rng.randrange(1, 1 << 16)),
     }
+    if kind == "caller_forks":
+        plan["caller_signal"] = "SIGKILL"
+    if point == "scenario":
+        plan["others"] = "finish" if kind in ("native_printf", "concurrent_env") else "sleep"
     if point in TORCH_POINTS:
         plan["others"] = "sleep"  # peers take part in the collectives
         plan["delay"] += 1.5  # caller-side faults: let them get into torch
@@ -196,16 +210,65 @@ def _timeout_for(plan: dict) -> float:
     return 90.0
 
 
-def _run_in_process(plan: dict) -> str | None:
+def _run_scenario(plan: dict, fn, read_out) -> str | None:
+    kind, world = plan["kind"], plan["world"]
+    if kind == "concurrent_env":
+        first = fn.submit(plan)
+        try:
+            second = fn.options(env={"PYTHONHASHSEED": plan["hashseed"]}).distributed(plan)
+            got = first.result(timeout=60)
+        except BaseException as exc:
+            return f"concurrent calls with different start-up env: {type(exc).__name__}: {exc}"
+        finally:
+            del first
+        mine = os.environ.get("PYTHONHASHSEED")
+        if got != [[r, mine] for r in range(world)]:
+            return f"the first call returned {got}"
+        if second != [[r, plan["hashseed"]] for r in range(world)]:
+            return f"the call with PYTHONHASHSEED={plan['hashseed']} returned {second}"
+        return None
+    err = None
+    got = None
+    try:
+        got = fn.distributed(plan)
+    except BaseException as exc:
+        err = exc
+    try:
+        if kind == "native_printf":
+            if err is not None:
+                return f"native_printf failed: {type(err).__name__}: {err}"
+            out = read_out()
+            missing = [
+                f"{native_marker(plan, r)} {what}"
+                for r in range(world)
+                for what in ("line", "tail")
+                if f"{native_marker(plan, r)} {what}" not in out
+            ]
+            return f"C printf output lost: {missing}" if missing else None
+        if kind == "long_line":
+            return _expect_rank_fault(dict(plan, kind="exception", point="print"), err)
+        if kind == "early_exit0":
+            if not isinstance(err, DistributedError) or err.rank != plan["victim"]:
+                return f"early exit 0 of rank {plan['victim']}: got {got!r} / {err!r}"
+            return None if err.exitcode == 0 else f"exitcode {err.exitcode}, expected 0"
+        return f"unknown scenario {kind}"
+    finally:
+        del err
+
+
+def _run_in_process(plan: dict, read_out=lambda: "") -> str | None:
+    scenario = plan["point"] == "scenario"
     fn = gangrun.distributed(
         processes=plan["world"],
         mlflow=False,
         timeout=_timeout_for(plan),
         grace_period=plan["grace"],
         hang_timeout=(3.0 if plan["point"] in TORCH_POINTS else 1.0) if plan["guard"] else None,
-        output="none" if plan["lines"] > 2000 else "all",
+        output="none" if plan["lines"] > 2000 and not scenario else "all",
     )(soak_rank)
     kind = plan["kind"]
+    if scenario:
+        return _run_scenario(plan, fn, read_out)
     if kind == "cancel":
         handle = fn.submit(plan)
         time.sleep(plan["delay"])
@@ -265,8 +328,21 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
         "import gangrun\n"
         "plan = json.loads(sys.argv[1])\n"
         "fn = gangrun.distributed(processes=plan['world'], mlflow=False, timeout=90, output='none', grace_period=plan['grace'])(soak_rank)\n"
+        "if plan['kind'] == 'caller_forks':\n"
+        "    import os, time\n"
+        "    h = fn.submit(plan)\n"
+        "    time.sleep(plan['delay'] / 2)\n"
+        "    if os.fork() == 0:\n"  # a DataLoader worker, os.fork() in a notebook...
+        "        with open(plan['forked'] + '.tmp', 'w') as f: f.write(str(os.getpid()))\n"
+        "        os.rename(plan['forked'] + '.tmp', plan['forked'])\n"
+        "        time.sleep(120); os._exit(0)\n"
+        "    time.sleep(300)\n"
         "fn.distributed(plan)\n"
     )
+    forked = os.path.join(tmp, "forked.pid")
+    plan = dict(plan, forked=forked)
+    if os.path.exists(forked):
+        os.unlink(forked)
     for name in _run_dirs(tmp):
         shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
     env = dict(os.environ, TMPDIR=tmp)
@@ -279,8 +355,15 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
             stderr=err,
         )
     problem = None
+    child = 0
     try:
         time.sleep(plan["delay"])
+        if plan["kind"] == "caller_forks":
+            deadline = time.monotonic() + 60
+            while not os.path.exists(forked) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with open(forked) as f:
+                child = int(f.read())
         sig = signal.SIGINT if plan["caller_signal"] == "SIGINT" else signal.SIGKILL
         proc.send_signal(sig)
         try:
@@ -298,10 +381,17 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
             if left and problem is None:
                 problem = f"interrupted caller left run dirs {left}: {text[-1500:]}"
         assert_no_survivors(proc.pid, wait=10.0)
+        if child and not psutil.pid_exists(child):
+            problem = "the caller's forked child died: the test proves nothing"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        if child:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # gone already (reported above)
     # a SIGKILLed caller cannot remove its run directory: not counted as a leak of *this* caller
     for name in _run_dirs(tmp):
         shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
@@ -343,10 +433,11 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
             continue
         started = time.monotonic()
         try:
-            if plan["kind"] == "caller_kill":
+            if plan["kind"] in ("caller_kill", "caller_forks"):
                 problem = _run_caller_kill(plan, str(caller_tmp))
             else:
-                problem = _run_in_process(plan)
+                capsys.readouterr()
+                problem = _run_in_process(plan, lambda: capsys.readouterr().out)
             problems = [problem] if problem else []
             try:
                 assert_no_survivors(wait=10.0)

@@ -13,6 +13,7 @@ import pytest
 from conftest import assert_no_survivors, pids_alive, run_processes
 from gangrun import DistributedError, DistributedTimeoutError, distributed
 from gangrun.launch import forkserver
+from gangrun.launch.forkserver import client
 
 FS = {"processes": 2, "mlflow": False, "start_method": "forkserver", "timeout": 60}
 
@@ -241,7 +242,7 @@ def test_no_cuda_in_the_server():
 
 def test_falls_back_to_spawn_when_the_server_cannot_start(monkeypatch, capfd):
     forkserver.discard_server()
-    monkeypatch.setattr(forkserver, "_BOOT", "import sys; sys.exit(3)")
+    monkeypatch.setattr(client, "BOOT", "import sys; sys.exit(3)")
     try:
         out = _describe.distributed("fallback")
         assert [o["rank"] for o in out] == [0, 1]
@@ -249,19 +250,29 @@ def test_falls_back_to_spawn_when_the_server_cannot_start(monkeypatch, capfd):
         assert "fork server is unavailable" in capfd.readouterr().err
     finally:
         monkeypatch.undo()
-        forkserver._start_failure = None
+        client.registry.start_failure = None
         forkserver.discard_server()
 
 
-def test_launcher_choice(monkeypatch):
-    from gangrun.launch.local import LocalGang
+def test_spawner_choice(monkeypatch):
+    from gangrun.launch import GangSpec, RankSpec
+    from gangrun.launch.forkserver.spawner import ForkServerSpawner
+    from gangrun.launch.gang import choose_spawner
+    from gangrun.launch.spawn import SpawnSpawner
 
-    assert forkserver.launcher_for("spawn") is LocalGang
-    assert forkserver.launcher_for("forkserver") is forkserver.ForkServerGang
+    spec = GangSpec("x", "/tmp", [RankSpec(0, {})], "/tmp", start_method="spawn")
+    assert isinstance(choose_spawner(spec), SpawnSpawner)
+    spec.start_method = "forkserver"
+    chosen = choose_spawner(spec)
+    assert isinstance(chosen, ForkServerSpawner)
+    chosen.release(0.0)
+    spec.start_method = "auto"
     monkeypatch.setenv("GANGRUN_START_METHOD", "spawn")
-    assert forkserver.launcher_for("auto") is LocalGang
+    assert isinstance(choose_spawner(spec), SpawnSpawner)
     monkeypatch.delenv("GANGRUN_START_METHOD")
-    assert forkserver.launcher_for("auto") is forkserver.ForkServerGang
+    chosen = choose_spawner(spec)
+    assert isinstance(chosen, ForkServerSpawner)
+    chosen.release(0.0)
 
 
 CALLER = """

@@ -74,7 +74,8 @@ def _assert_gang_gone(handle):
     from ray.util import placement_group_table
 
     gang = handle._run.gang
-    pids = [info["pid"] for info in gang.nodes.values()] + list(gang.pids.values())
+    nodes = gang.spawner.nodes
+    pids = [info["pid"] for info in nodes.values()] + list(gang.pids.values())
     deadline = time.monotonic() + 10
     while pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -190,7 +191,7 @@ def test_lost_actor_names_its_ranks(cluster, tmp_path):
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    ray.kill(handle._run.gang.actors[1])  # as if rank 1's node went away
+    ray.kill(handle._run.gang.spawner.actors[1])  # as if rank 1's node went away
     with pytest.raises(DistributedError) as info:
         handle.result(timeout=60)
     err = info.value
@@ -230,6 +231,37 @@ def test_caller_killed_leaves_nothing(cluster, tmp_path, script):
     caller.send_signal(signal.SIGKILL)  # the kernel dies: Ray drops its actors, ranks follow
     caller.communicate(timeout=30)
     assert_no_survivors(caller.pid, wait=30)
+    # Item 17 (issue 12): no actor directory (with its payload.pkl) is left on the nodes.
+    deadline = time.monotonic() + 30
+    while _actor_dirs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _actor_dirs(), "the rank actors' directories outlived their caller"
+
+
+def _actor_dirs() -> list[str]:
+    import tempfile
+
+    from gangrun.launch.ray.actor import PREFIX
+
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(PREFIX)]
+
+
+def test_next_call_reaps_leftovers_on_its_nodes(cluster, tmp_path):
+    """Item 17: a directory left by an actor that is gone is removed by the next call that
+    places a rank on that node (simulated: an actor identity that names no live process)."""
+    import tempfile
+
+    from gangrun.launch.ray.actor import OWNER, PREFIX
+
+    stale = tempfile.mkdtemp(prefix=f"{PREFIX}deadbeef-r0-")
+    with open(os.path.join(stale, OWNER), "w") as f:
+        f.write("999999999:1")  # no such pid
+    with open(os.path.join(stale, "payload.pkl"), "wb") as f:
+        f.write(b"x")
+    fn = distributed(**_opts(cluster, mlflow=False))(os.getpid)
+    assert len(fn.distributed()) == 2
+    assert not os.path.exists(stale)
+    assert not _actor_dirs()
 
 
 CLI_SCRIPT = """

@@ -8,12 +8,12 @@ from gangrun.launch import GangSpec, RankSpec
 from gangrun.launch.ray import node_envs
 
 
-def _spec(n: int, **extra) -> GangSpec:
+def _spec(n: int) -> GangSpec:
     ranks = [
         RankSpec(r, {"RANK": str(r), "WORLD_SIZE": str(n), "CUDA_VISIBLE_DEVICES": "7"})
         for r in range(n)
     ]
-    return GangSpec("rid", "/tmp/x", ranks, "/tmp/x/logs", extra=extra)
+    return GangSpec("rid", "/tmp/x", ranks, "/tmp/x/logs")
 
 
 def test_ranks_interleaved_over_two_gpu_nodes():
@@ -23,7 +23,7 @@ def test_ranks_interleaved_over_two_gpu_nodes():
         2: {"node_id": "A", "ip": "10.0.0.1", "gpu_ids": ["5"], "cpus": 16},
         3: {"node_id": "B", "ip": "10.0.0.2", "gpu_ids": ["1"], "cpus": 8},
     }
-    envs = node_envs(_spec(4), nodes, 29500)
+    envs = node_envs(_spec(4).ranks, nodes, 29500, user_omp=False)
     got = {
         r: (e["NODE_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["CUDA_VISIBLE_DEVICES"])
         for r, e in envs.items()
@@ -43,10 +43,10 @@ def test_ranks_interleaved_over_two_gpu_nodes():
 
 def test_cpu_ranks_keep_user_threads_and_drop_caller_devices():
     nodes = {r: {"node_id": "A", "ip": "1.2.3.4", "gpu_ids": [], "cpus": 4} for r in range(2)}
-    spec = _spec(2, user_omp=True)
+    spec = _spec(2)
     for rs in spec.ranks:
         rs.env["OMP_NUM_THREADS"] = "3"
-    envs = node_envs(spec, nodes, 1234)
+    envs = node_envs(spec.ranks, nodes, 1234, user_omp=True)
     assert [e["LOCAL_RANK"] for e in envs.values()] == ["0", "1"]
     assert all(e["OMP_NUM_THREADS"] == "3" for e in envs.values())
     assert all("CUDA_VISIBLE_DEVICES" not in e for e in envs.values())  # the caller's "7"

@@ -1,16 +1,23 @@
 """Launchers: how rank processes are started, watched and stopped.
 
-``local`` starts fresh interpreters (``start_method="spawn"``); ``forkserver`` forks ranks from a
-warm helper that imported torch but never touched CUDA; ``ray`` places ranks on a Ray cluster.
+One concrete gang (:class:`gangrun.launch.gang.ProcessGang`) over one :class:`Spawner`
+protocol, implemented three times:
+
+- :mod:`.spawn`: fresh interpreters (``start_method="spawn"``);
+- :mod:`.forkserver`: ranks forked from a warm helper that imported torch but never touched
+  CUDA (``start_method="forkserver"``, the default where usable);
+- :mod:`.ray`: one small actor per rank on a Ray cluster (``spec.placement`` set).
 
 The seam to the call's lifecycle is :func:`open_gang`: it returns a :class:`Gang` for a
 :class:`GangSpec`; the gang puts one :class:`RankExit` per rank into the ``events`` queue the
 lifecycle owns (which also carries the lifecycle's own events: cancel, deadline, ...).
+:func:`shutdown` closes the launch machinery (fork servers) at the caller's exit.
 """
 
 from __future__ import annotations
 
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -57,6 +64,46 @@ class RankExit:
     time: float  # time.time() when the exit was observed
 
 
+class RankIO:
+    """The pipes one rank starts with. A :class:`Spawner` takes ownership of ``out_w`` and
+    ``err_w`` (closes them once handed over, also on failure); ``live_r`` (the read end of
+    the caller's liveness pipe, -1 for none) stays the gang's."""
+
+    __slots__ = ("out_w", "err_w", "live_r")
+
+    def __init__(self, out_w: int, err_w: int, live_r: int) -> None:
+        self.out_w = out_w
+        self.err_w = err_w
+        self.live_r = live_r
+
+
+class RankProcess(Protocol):
+    """One started rank, whatever started it (cf. CPython's ``multiprocessing`` Popen)."""
+
+    pid: int
+
+    def wait(self) -> int:
+        """Block until the rank ended; its exit code (``-N``: killed by signal ``N``). Called
+        once, from the gang's exit-waiter thread for this rank."""
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the rank's whole tree (its process group and descendants)."""
+
+
+class Spawner(Protocol):
+    """Starts the rank processes of one gang (fresh interpreters, fork server, Ray)."""
+
+    name: str
+
+    def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
+        """One process per entry, in order; all or nothing (on failure what started is killed
+        and the error raised). Blocks until every rank runs."""
+
+    def release(self, grace: float) -> None:
+        """The gang ended (its ranks are gone or being stopped with ``grace``): give back
+        what the spawner holds for it (a fork-server lease, Ray actors and bundles)."""
+
+
 class Gang(Protocol):
     """The rank processes of one attempt of one call."""
 
@@ -79,14 +126,14 @@ class Gang(Protocol):
 def open_gang(spec: GangSpec, pump: OutputPump, events: queue.Queue) -> Gang:
     """The gang for ``spec``: Ray actors when ``spec.placement`` is set, else fork server or
     fresh interpreters by ``spec.start_method``. Exits go into ``events``."""
-    gang: Gang
-    if spec.placement is not None:
-        from .ray import RayGang
+    from .gang import ProcessGang, choose_spawner
 
-        gang = RayGang(spec, pump)
-    else:
-        from .forkserver import launcher_for
+    return ProcessGang(spec, pump, events, choose_spawner(spec))
 
-        gang = launcher_for(spec.start_method)(spec, pump)
-    gang.exits = events  # type: ignore[attr-defined]  # transitional: gangs take `events`
-    return gang
+
+def shutdown() -> None:
+    """Close the launch machinery of this process (its fork servers): the lifecycle's exit
+    hook calls it after stopping the calls still active."""
+    from .forkserver.client import registry
+
+    registry.close_all()

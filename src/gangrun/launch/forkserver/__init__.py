@@ -1,0 +1,62 @@
+"""Ranks forked from a warm helper: fork speed without forking the caller.
+
+The fork server is a helper process started lazily by the first launch (per start-up
+signature: see :mod:`.client`). It imports the heavy modules (``GANGRUN_PRELOAD``, default
+``torch``; comma-separated, ``none`` for nothing) and never initialises CUDA, then waits on a
+private unix socket pair. For each launch the caller sends the ranks' environments together
+with each rank's stdout/stderr pipe ends, the caller's liveness pipe and a per-rank status pipe
+(``SCM_RIGHTS``, :mod:`.protocol`); the server (:mod:`.server`) forks one child per rank and
+answers with the pids; each child becomes a rank (:mod:`.child`).
+
+If the caller dies, its ranks see their liveness pipe close (as with spawned ranks) and the
+server sees its control socket close and exits. If the server dies, every rank it forked sees
+the server's own liveness pipe close and kills its tree; the next launch starts a new server.
+When the server cannot be started, the launch falls back to fresh interpreters (chosen once,
+in :func:`gangrun.launch.gang.choose_spawner`).
+
+Modules: ``protocol`` (typed messages, framing), ``server`` (the server process), ``child`` (a
+forked child becoming a rank), ``client`` (the caller's handles and the per-signature
+registry), ``spawner`` (the :class:`~gangrun.launch.Spawner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .client import registry, startup_signature, usable
+
+if TYPE_CHECKING:
+    from ...output import OutputPump
+    from .. import GangSpec
+    from ..gang import ProcessGang
+
+
+def server_info() -> dict[str, Any] | None:
+    """What the most recently used fork server reports about itself (pid, preloaded
+    modules, whether CUDA is initialised in it), or ``None`` when none is running."""
+    s = registry.current()
+    if s is None:
+        return None
+    try:
+        return dataclasses.asdict(s.server_info())
+    except Exception:  # it died meanwhile: as if none were running
+        return None
+
+
+def discard_server() -> None:
+    """Stop every idle or running fork server: the next launch starts a new one."""
+    registry.close_all(0.5)
+
+
+def launcher_for(start_method: str) -> Callable[[GangSpec, OutputPump], ProcessGang]:
+    """Transitional (``run.Run._launcher``, until the lifecycle calls ``open_gang``)."""
+    import functools
+
+    from ..gang import legacy_gang
+
+    return functools.partial(legacy_gang, start_method)
+
+
+__all__ = ["server_info", "discard_server", "registry", "startup_signature", "usable"]

@@ -1,0 +1,119 @@
+"""The fork server behind the :class:`~gangrun.launch.Spawner` protocol (cf. CPython's
+``popen_forkserver``: a fork server hidden behind an ordinary per-process handle)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+from collections.abc import Sequence
+
+from ...platform import signal_tree, wait_gone
+from .. import GangSpec, RankIO, RankProcess, RankSpec
+from ..spawn import close_fds, close_write_ends
+from . import protocol as p
+from .client import ForkServer, ForkServerError, Signature, registry, startup_signature
+
+_BROKEN = (OSError, ForkServerError, EOFError, pickle.PickleError)
+
+
+class ForkedProcess:
+    """A rank forked by the server: its exit code arrives on a status pipe."""
+
+    def __init__(self, rank: int, pid: int, status_r: int) -> None:
+        self.rank = rank
+        self.pid = pid
+        self._status_r = status_r
+
+    def wait(self) -> int:
+        data = b""
+        fd, self._status_r = self._status_r, -1
+        try:
+            while len(data) < p.STATUS.size:
+                try:
+                    chunk = os.read(fd, p.STATUS.size - len(data))
+                except InterruptedError:
+                    continue
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            data = b""  # treated as the server's death below
+        finally:
+            os.close(fd)
+        if len(data) == p.STATUS.size:
+            return int(p.STATUS.unpack(data)[0])
+        # The server died with this rank running: the rank kills its own tree when it sees
+        # that (liveness pipe); make sure it is gone and report it as killed.
+        signal_tree([self.pid], signal.SIGKILL)
+        wait_gone(self.pid, 5.0)
+        print(
+            f"gangrun: the fork server died while rank {self.rank} (pid {self.pid}) was "
+            "running; the rank was stopped.",
+            file=sys.stderr,
+        )
+        return -signal.SIGKILL
+
+    def signal(self, sig: int) -> None:
+        signal_tree([self.pid], sig)
+
+
+class ForkServerSpawner:
+    name = "forkserver"
+
+    def __init__(self, server: ForkServer, env_sig: Signature, pool: int) -> None:
+        self.server: ForkServer | None = server
+        self._env_sig = env_sig
+        self._pool = pool
+
+    @classmethod
+    def lease(cls, spec: GangSpec) -> ForkServerSpawner:
+        """A spawner holding a lease on the server for this gang's start-up signature."""
+        env_sig = startup_signature(spec.ranks[0].env) if spec.ranks else ()
+        pool = len(spec.ranks)
+        return cls(registry.lease(env_sig, pool), env_sig, pool)
+
+    def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
+        try:
+            assert self.server is not None
+            try:
+                return self._start_on(self.server, spec, ranks)
+            except _BROKEN:
+                # The server died or broke: one fresh server for this signature, once.
+                registry.discard(self.server)
+                self.server = None
+                self.server = registry.lease(self._env_sig, self._pool)
+                return self._start_on(self.server, spec, ranks)
+        finally:
+            close_write_ends(ranks)
+
+    def _start_on(
+        self, server: ForkServer, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]
+    ) -> list[RankProcess]:
+        send: list[int] = []
+        status_r: list[int] = []
+        owned: list[int] = []  # status write ends: ours to close once sent
+        msgs = []
+        try:
+            for r, io in ranks:
+                st_r, st_w = os.pipe()
+                status_r.append(st_r)
+                owned.append(st_w)
+                send += [io.out_w, io.err_w, io.live_r, st_w]
+                msgs.append(p.ForkRank(r.rank, r.env, spec.cwd))
+            pids = server.fork(msgs, send)
+        except BaseException:
+            close_fds(status_r)
+            raise
+        finally:
+            close_fds(owned)
+        return [
+            ForkedProcess(r.rank, pid, st)
+            for (r, _), pid, st in zip(ranks, pids, status_r, strict=True)
+        ]
+
+    def release(self, grace: float) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            registry.release(server)

@@ -1,0 +1,62 @@
+"""Ranks on a Ray cluster: ``backend="ray"``.
+
+Ray is the engine; gangrun does not schedule nodes itself. One call reserves one placement
+group bundle per rank (``{"GPU": 1}`` for ``gpus=``, ``{"CPU": 1}`` for ``processes=``; PACK
+by default), starts one small actor per rank inside its bundle (:mod:`.actor`), and each actor
+runs its rank as the spawn launcher does. The caller's side is the usual gang over a
+:class:`~.spawner.RaySpawner`: rank output is forwarded from the actors into local pipes read
+by the output pump, and each rank's result or error file is shipped back into the caller's run
+directory before its exit is reported. Everything after that (results, root cause, timeout,
+cancel, interrupt, MLflow, restarts) is the lifecycle's shared code.
+
+Connection: ``address=`` or ``RAY_ADDRESS``; with neither, an already running local cluster
+is joined (``ray.init(address="auto")``); ``address="local"`` starts a private Ray on this
+machine for the call's process. If the caller already called ``ray.init`` that connection is
+used as is.
+
+Knobs (environment variables, read from ``env=`` first, then the caller's environment):
+
+- ``GANGRUN_RAY_STRATEGY``: placement strategy, ``PACK`` (default), ``SPREAD``,
+  ``STRICT_PACK`` or ``STRICT_SPREAD``.
+- ``GANGRUN_RAY_RUNTIME_ENV``: JSON Ray runtime env merged into the actors' (``working_dir``,
+  ``py_modules``, ``pip``, ``env_vars``...), to ship code the function imports by name;
+  local directories are uploaded to the cluster as ``ray.init`` does, and with a
+  ``working_dir`` the ranks run in its shipped copy.
+- ``GANGRUN_RAY_PLACEMENT_TIMEOUT``: seconds to wait for the bundles (default 300).
+- ``GANGRUN_RAY_FORWARD_ENV``: comma-separated names of further caller variables to ship.
+
+Modules: ``placement`` (connection, placement group, per-node environments), ``actor`` (the
+rank actor), ``spawner`` (the :class:`~gangrun.launch.Spawner`); ``legacy`` holds the
+transitional ``RayRun`` planning class.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import TYPE_CHECKING, Any
+
+from .placement import STRATEGIES, connect, fmt_resources, node_envs
+
+if TYPE_CHECKING:
+    from ...output import OutputPump
+    from .. import GangSpec
+    from ..gang import ProcessGang
+
+
+def RayGang(spec: GangSpec, pump: OutputPump) -> ProcessGang:  # noqa: N802 - was a class
+    """Transitional (``RayRun._launcher``): the gang of a Ray call, with its own queue."""
+    from ..gang import ProcessGang
+    from .spawner import RaySpawner
+
+    return ProcessGang(spec, pump, queue.Queue(), RaySpawner(spec))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RayRun":  # transitional: imports gangrun.run, so only on demand
+        from .legacy import RayRun
+
+        return RayRun
+    raise AttributeError(name)
+
+
+__all__ = ["RayGang", "connect", "fmt_resources", "node_envs", "STRATEGIES"]

@@ -1,0 +1,266 @@
+"""The Ray actor that runs one rank on its node (methods run in threads, max_concurrency>1).
+
+The rank is a fresh interpreter (``gangrun.launch.rankside``) in its own process group,
+holding a liveness pipe whose write end lives in the actor: when the actor dies (``ray.kill``,
+the caller's driver exits, the node is lost) the rank kills its own tree.
+
+Its private directory on the node (payload, context, result/error) never outlives it
+(issue 12, item 17): a tiny janitor process, detached from the actor, removes the directory
+as soon as the actor is gone, however it went (Ray kills an exiting worker's children, so the
+janitor double-forks away from it); and every actor, when it starts, removes the directories
+of actors on its node that are gone (each directory names its actor by pid and start ticks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Any
+
+from ... import contract, platform
+from ...rundir import CONTEXT, PAYLOAD, RunDir
+
+log = logging.getLogger("gangrun.launch.ray")
+OWNER = "actor"  # file in an actor's directory: "pid:start-ticks" of the actor process
+PREFIX = "gangrun-ray-"
+# Waits for EOF on fd argv[2] (the actor's end closes when the actor is gone), then removes
+# directory argv[1]. Double-forks first: Ray kills the children of a worker that exits.
+_JANITOR = (
+    "import os, shutil, sys\n"
+    "if os.fork(): os._exit(0)\n"
+    "os.setsid()\n"
+    "fd = int(sys.argv[2])\n"
+    "try:\n"
+    "    while os.read(fd, 64): pass\n"
+    "except OSError: pass\n"
+    "shutil.rmtree(sys.argv[1], ignore_errors=True)\n"
+)
+
+
+def reap_node_leftovers(tmp: str | None = None) -> list[str]:
+    """Remove the directories of this user's rank actors on this node that are gone."""
+    tmp = tmp or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+            if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            with open(os.path.join(path, OWNER)) as f:
+                owner = f.read().strip()
+        except OSError:
+            continue  # not one of ours, or being created right now
+        pid = int(owner.split(":", 1)[0]) if owner.split(":", 1)[0].isdigit() else 0
+        if pid and platform.process_identity(pid) != owner:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed leftover rank directories %s", removed)
+    return removed
+
+
+class RankActor:
+    """Runs one rank on its node."""
+
+    def __init__(self, run_id: str, rank: int) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.proc: subprocess.Popen | None = None
+        self.dir = ""
+        self._since_ticks = platform.ticks_now()
+        self._cv = threading.Condition()
+        self._buf: dict[str, list[bytes]] = {"out": [], "err": []}
+        self._open = 0
+        self._code: int | None = None
+        self._exited_at = 0.0
+        self._live_w = -1
+        self._janitor_w = -1
+
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        from gangrun import accelerators
+
+        ctx = ray.get_runtime_context()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        names: list[str] = []
+        if gpu_ids:
+            try:
+                names = [d.name for d in accelerators.detect()]
+            except Exception:  # no NVML here: the type check has nothing to compare
+                names = []
+        return {
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": os.uname().nodename,
+            "gpu_ids": gpu_ids,
+            "gpu_names": names,
+            "cpus": os.cpu_count() or 1,
+            "pid": os.getpid(),
+            "cwd": os.getcwd(),
+        }
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("0.0.0.0", 0))
+            return int(s.getsockname()[1])
+
+    def _make_dir(self) -> RunDir:
+        reap_node_leftovers()
+        self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{self.run_id}-r{self.rank}-")
+        with open(os.path.join(self.dir, OWNER), "w") as f:
+            f.write(platform.process_identity(os.getpid()) or "")
+        jr, self._janitor_w = os.pipe()
+        try:
+            janitor = subprocess.Popen(
+                [sys.executable, "-S", "-c", _JANITOR, self.dir, str(jr)],
+                pass_fds=(jr,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            )
+            janitor.wait(30)  # the first fork returns at once; the janitor lives on detached
+        finally:
+            os.close(jr)
+        return RunDir(self.dir)
+
+    def start(self, payload: bytes, context: dict[str, Any], env: dict[str, str]) -> int:
+        from ..spawn import boot_command
+
+        rd = self._make_dir()
+        with open(rd.payload, "wb") as f:
+            f.write(payload)
+        ctx = dict(context)
+        # The caller's paths first, then this node's own (runtime_env py_modules/working_dir).
+        paths = list(ctx.get("sys_path") or [])
+        paths += [p for p in sys.path if p not in paths]
+        ctx["sys_path"] = paths
+        if context.get("use_actor_cwd") or not os.path.isdir(str(ctx.get("cwd"))):
+            ctx["cwd"] = os.getcwd()
+        with open(rd.context, "w") as f:
+            json.dump(ctx, f)
+        full = dict(os.environ)
+        full.update(env)
+        full[contract.RUN_DIR] = self.dir
+        live_r, self._live_w = os.pipe()
+        full[contract.LIVENESS_FD] = str(live_r)
+        try:
+            self.proc = subprocess.Popen(
+                boot_command(),
+                env=full,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(live_r,),
+                start_new_session=True,
+            )
+        finally:
+            os.close(live_r)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._open = 2
+        for kind, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
+            threading.Thread(target=self._read, args=(kind, pipe), daemon=True).start()
+        threading.Thread(target=self._wait, daemon=True).start()
+        return int(self.proc.pid)
+
+    def _read(self, kind: str, pipe: IO[bytes]) -> None:
+        fd = pipe.fileno()
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            with self._cv:
+                if not data:
+                    self._open -= 1
+                    self._cv.notify_all()
+                    break
+                self._buf[kind].append(data)
+                self._cv.notify_all()
+        pipe.close()
+
+    def _wait(self) -> None:
+        assert self.proc is not None
+        code = self.proc.wait()
+        with self._cv:
+            self._code = code
+            self._exited_at = time.monotonic()
+            self._cv.notify_all()
+
+    def _exit_ready(self) -> bool:
+        # Report the exit once the rank's output is drained (or after a second, when a
+        # descendant that outlives the rank still holds its pipes).
+        return self._code is not None and (
+            self._open == 0 or time.monotonic() - self._exited_at > 1.0
+        )
+
+    def poll(self, timeout: float) -> dict[str, Any]:
+        """New output since the last poll and, once it ended and was drained, the exit code."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not (self._buf["out"] or self._buf["err"] or self._exit_ready()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 0.25) if self._code is not None else left)
+            out = b"".join(self._buf["out"])
+            err = b"".join(self._buf["err"])
+            self._buf = {"out": [], "err": []}
+            done = self._exit_ready() and not out and not err
+            return {"out": out, "err": err, "exit": self._code if done else None}
+
+    def files(self) -> dict[str, bytes]:
+        """The rank's result/error file (whichever it wrote)."""
+        rd = RunDir(self.dir)
+        got: dict[str, bytes] = {}
+        for kind, path in (("result", rd.result(self.rank)), ("error", rd.error(self.rank))):
+            try:
+                with open(path, "rb") as f:
+                    got[kind] = f.read()
+            except OSError:
+                continue  # the rank wrote the other one (or neither)
+        return got
+
+    def signal(self, sig: int) -> None:
+        """Signal the rank's tree; with SIGKILL also sweep this node for the run's processes."""
+        p = self.proc
+        if p is not None:
+            platform.signal_tree([p.pid], sig)
+        if sig == signal.SIGKILL:
+            platform.sweep(self.run_id, self._since_ticks)
+
+    def cleanup(self) -> None:
+        """The gang is done: nothing of the rank is left, its directory is removed."""
+        p = self.proc
+        if p is not None and p.poll() is None:
+            platform.signal_tree([p.pid], signal.SIGKILL)
+            try:
+                p.wait(5.0)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+                log.warning("rank %d (pid %d) did not die", self.rank, p.pid)
+        platform.sweep(self.run_id, self._since_ticks)
+        for name in ("_live_w", "_janitor_w"):
+            fd = getattr(self, name)
+            if fd != -1:
+                os.close(fd)
+                setattr(self, name, -1)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+__all__ = ["RankActor", "reap_node_leftovers", "PAYLOAD", "CONTEXT"]
