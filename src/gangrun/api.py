@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import numbers
+import os
 import shutil
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, overload
 
 from .errors import DistributedError, LaunchError
 from .serialization import DEFAULT_MAX_CAPTURE_BYTES
+
+if TYPE_CHECKING:
+    from .lifecycle.supervisor import Supervisor
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -112,7 +115,9 @@ class Options:
         return self
 
 
-def _release_run(ref: Any, run_dir: str) -> None:
+def _release_run(ref: Callable[[], Supervisor | None], run_dir: str, owner: int) -> None:
+    if os.getpid() != owner:
+        return  # a forked child exiting: the call and its files are its parent's
     run = ref()
     if run is not None:
         run.release()
@@ -123,31 +128,32 @@ def _release_run(ref: Any, run_dir: str) -> None:
 class RunHandle(Generic[R]):
     """A running (or finished) call, returned by ``submit()``."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Supervisor) -> None:
         self._run = run
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
         # A handle dropped while its call still runs must not pull the files from under it:
         # the run then removes its directory itself when it ends.
         # The callback holds the run only weakly: run -> error -> handle would otherwise keep
         # the handle alive from the finalizer registry forever.
-        self._finalizer = weakref.finalize(self, _release_run, weakref.ref(run), run.run_dir)
+        self._finalizer = weakref.finalize(
+            self, _release_run, weakref.ref(run), run.run_dir, run.owner_pid
+        )
 
     @property
     def run_id(self) -> str:
-        return str(self._run.run_id)
+        return self._run.run_id
 
     @property
     def world_size(self) -> int:
-        return int(self._run.world_size)
+        return self._run.world_size
 
     @property
     def mlflow_run_id(self) -> str | None:
-        t = self._run.tracker
-        return None if t is None else t.run_id
+        return self._run.mlflow_run_id
 
     @property
     def log_dir(self) -> str:
-        return str(self._run.log_dir)
+        return self._run.log_dir
 
     def result(self, timeout: float | None = None) -> list[R]:
         """Block until the call ends; the per-rank results in rank order.
@@ -158,18 +164,18 @@ class RunHandle(Generic[R]):
         if not self._run.wait(timeout):
             raise TimeoutError(f"run {self.run_id} is still running after {timeout}s")
         try:
-            return self._run.outcome()  # type: ignore[no-any-return]
+            return self._run.result()
         except DistributedError as err:
             if err.handle is None:
                 err.handle = self
             raise
 
     def done(self) -> bool:
-        return bool(self._run.done())
+        return self._run.done()
 
     def cancel(self) -> bool:
         """Stop every rank (and their descendants). True if the call was still running."""
-        return bool(self._run.cancel("cancelled"))
+        return self._run.cancel("cancelled")
 
     def logs(self, rank: int = 0) -> str:
         """Everything rank ``rank`` wrote to stdout and stderr so far."""
@@ -207,25 +213,19 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
-        from .run import Run
+        from .lifecycle import Supervisor
 
         opts = self._options.validate()
-        run: Any
-        if opts.backend == "ray":
-            from .launch.ray import RayRun
-
-            run = RayRun(self._fn, args, kwargs, opts)
-        else:
-            run = Run(self._fn, args, kwargs, opts)
+        run = Supervisor(self._fn, args, kwargs, opts)
         try:
             run.start()
             return RunHandle(run)
         except BaseException:
             # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
             # before that point): nothing may keep running without a handle.
-            if getattr(run, "_thread", None) is not None:
+            if run.started:
                 run.cancel("interrupted", wait=60.0)
-                run._remove_dir()
+                run.remove_dir()
             raise
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
@@ -302,13 +302,5 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
         return wrap(fn)
     return wrap
 
-
-def _stop_all_at_exit() -> None:
-    from . import run
-
-    run.stop_all()
-
-
-atexit.register(_stop_all_at_exit)
 
 __all__ = ["distributed", "DistributedFunction", "RunHandle", "Options"]

@@ -241,7 +241,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
     from . import __version__, accelerators
     from .api import Options
     from .errors import DistributedError
-    from .run import Run
+    from .lifecycle.plan import plan_local, rank_specs
 
     devs = accelerators.detect()
     report: dict[str, Any] = {
@@ -266,13 +266,11 @@ def cmd_info(ns: argparse.Namespace) -> int:
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     try:
         opts = Options(gpus=ns.gpus, processes=ns.processes, gpu_type=ns.gpu_type).validate()
-        run = Run(lambda: None, (), {}, opts)
-        run._resolve_world()
-        run.run_dir = "<run dir>"
-        spec = run._gang_spec()
-        env = spec.ranks[0].env
+        plan = plan_local(lambda: None, opts)  # what a call would do; reserves no GPU
+        devices = plan.devices[: plan.gpus_wanted]
+        env = rank_specs(plan, opts, run_dir="<run dir>", devices=devices)[0].env
         rank_env = {k: env[k] for k in _SHOWN if k in env}
-        report["world_size"] = run.world_size
+        report["world_size"] = plan.world_size
     except DistributedError as exc:
         note = str(exc)
     report["rank0_env"] = rank_env
