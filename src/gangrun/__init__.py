@@ -18,7 +18,7 @@ from .errors import (
     LaunchError,
 )
 
-__version__ = "0.1.0"
+from .version import __version__
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing is most of our import time
 if TYPE_CHECKING:  # pragma: no cover

@@ -72,7 +72,6 @@ class RunDir:
             return []
         return [os.path.join(self.path, n) for n in names if n.startswith(_ATTEMPT_PREFIXES)]
 
-
     def clear_attempt(self) -> None:
         """Remove the per-attempt files (before a restart, and when the call ends)."""
         for path in self.attempt_files():

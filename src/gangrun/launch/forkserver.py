@@ -663,14 +663,8 @@ def current_server() -> ForkServer | None:
 
 
 def shutdown() -> None:
-    """Stop the fork server (atexit). Runs still active are cancelled first."""
+    """Stop the fork server (atexit; the lifecycle's hook has ended the active calls)."""
     global _server
-    try:
-        from .. import run
-
-        run.stop_all()
-    except Exception:
-        pass
     with _server_lock:
         s, _server = _server, None
     if s is not None and s.owner == os.getpid():

@@ -218,7 +218,7 @@ def tracking_info(
     plan: Plan, opts: CallOptions, args: tuple, kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """What the MLflow run records about the call (params and tags)."""
-    from .. import __version__
+    from ..version import __version__
 
     scalars: dict[str, Any] = {}
     for k, v in kwargs.items():

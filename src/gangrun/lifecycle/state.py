@@ -40,9 +40,7 @@ class State(enum.Enum):
         return self in _TERMINAL
 
 
-_TERMINAL = frozenset(
-    {State.SUCCEEDED, State.FAILED, State.CANCELLED, State.TIMED_OUT, State.HUNG}
-)
+_TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED, State.TIMED_OUT, State.HUNG})
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.PLANNING: frozenset({State.LAUNCHING, State.FAILED, State.CANCELLED}),
