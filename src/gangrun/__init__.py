@@ -17,7 +17,6 @@ from .errors import (
     DistributedTimeoutError,
     LaunchError,
 )
-
 from .version import __version__
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing is most of our import time
