@@ -23,7 +23,8 @@ from ..records import RankContext, pid_namespace
 
 
 class CallOptions(Protocol):
-    """What the lifecycle reads of :class:`gangrun.Options` (typed without importing the API)."""
+    """What the lifecycle reads of :class:`gangrun.Options` (typed without importing the API;
+    read-only, as the frozen dataclass is)."""
 
     @property
     def gpus(self) -> int | None: ...

@@ -119,28 +119,11 @@ class Supervisor:
         self._released = False
         self._thread: threading.Thread | None = None
         self._started = 0.0
+        # what the handle shows: known once planned (run id, world) and acquired (dirs)
+        self.run_id, self.fn_name, self.world_size = "", self.call.fn_name, 0
+        self.run_dir = self.log_dir = ""
 
     # ---------------------------------------------------------------- public face
-    @property
-    def run_id(self) -> str:
-        return self.plan.run_id if self.plan else ""
-
-    @property
-    def fn_name(self) -> str:
-        return self.call.fn_name
-
-    @property
-    def world_size(self) -> int:
-        return self.plan.world_size if self.plan else 0
-
-    @property
-    def run_dir(self) -> str:
-        return self.rundir.path if self.rundir else ""
-
-    @property
-    def log_dir(self) -> str:
-        return self.rundir.logs if self.rundir else ""
-
     @property
     def state(self) -> State:
         return self.outcome.state
@@ -232,6 +215,7 @@ class Supervisor:
         self.plan = plan
         self.call.run_id, self.call.fn_name = plan.run_id, plan.fn_name
         self.call.world_size = plan.world_size
+        self.run_id, self.fn_name, self.world_size = plan.run_id, plan.fn_name, plan.world_size
         self.context = rank_context(self.opts)
         if plan.gpus_wanted:
             from ..reservation import reserve
@@ -243,6 +227,7 @@ class Supervisor:
             plan.gpu_name = self._devices[0].name
         reap_stale()
         self.rundir = create(plan.run_id, self.opts.log_dir)
+        self.run_dir, self.log_dir = self.rundir.path, self.rundir.logs
         self.call.log_files = self.log_files()
         self.rundir.write_context(self.context)
         serialization.write_payload(
