@@ -90,8 +90,8 @@ class NoticeObserver(Observer):
 
 
 def notify(observers: list[Observer], state: State, outcome: Outcome, call: CallInfo) -> None:
-    """Tell every observer; one that raises is logged and skipped (MLflow's start is the
-    exception: its failure to start is the tracker's own note, never the call's)."""
+    """Tell every observer; one that raises is logged and skipped: an observer never changes
+    how the call ends (MLflow's own start-up problems are a printed note of the tracker's)."""
     for obs in observers:
         try:
             obs.on_transition(state, outcome, call)
