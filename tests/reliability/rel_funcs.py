@@ -143,7 +143,10 @@ def private_files() -> dict:
     for root, dirs, files in os.walk(run_dir):
         for name in dirs + files:
             p = os.path.join(root, name)
-            modes[os.path.relpath(p, run_dir)] = stat.S_IMODE(os.lstat(p).st_mode)
+            try:
+                modes[os.path.relpath(p, run_dir)] = stat.S_IMODE(os.lstat(p).st_mode)
+            except FileNotFoundError:  # a peer's temp file, renamed between walk and stat
+                continue
     modes["."] = stat.S_IMODE(os.lstat(run_dir).st_mode)
     return modes
 
