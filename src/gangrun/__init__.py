@@ -16,6 +16,7 @@ from .errors import (
     DistributedHangError,
     DistributedTimeoutError,
     LaunchError,
+    RankFailure,
 )
 from .version import __version__
 
@@ -62,6 +63,7 @@ __all__ = [
     "backend",
     "DistributedError",
     "LaunchError",
+    "RankFailure",
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",
