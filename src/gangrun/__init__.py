@@ -16,10 +16,11 @@ from .errors import (
     DistributedHangError,
     DistributedTimeoutError,
     LaunchError,
+    RankFailure,
 )
 
-# The one source of the version: pyproject.toml reads it from here (setuptools dynamic).
-__version__ = "0.1.0"
+# The one source of the version (pyproject.toml reads it there: setuptools dynamic).
+from .version import __version__
 
 TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing is most of our import time
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,6 +74,7 @@ __all__ = [
     "backend",
     "DistributedError",
     "LaunchError",
+    "RankFailure",
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",

@@ -2,196 +2,28 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import numbers
+import os
 import shutil
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, overload
 
 from . import defaults as _defaults
 from .errors import DistributedError, LaunchError
-from .serialization import DEFAULT_MAX_CAPTURE_BYTES
+from .options import Options
+
+if TYPE_CHECKING:
+    from .lifecycle.supervisor import Supervisor
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-DEFAULT_TIMEOUT = 10800.0
-_OUTPUT_MODES = ("all", "rank0", "none")
-_START_METHODS = ("auto", "spawn", "forkserver")
-_BACKENDS = ("local", "ray")
 
-
-@dataclass(frozen=True)
-class Options:
-    """Settings of a distributed function (the decorator's keyword arguments).
-
-    Each can be defaulted outside code by ``gangrun.set_defaults(...)`` or a
-    ``GANGRUN_<OPTION>`` environment variable (see :mod:`gangrun.defaults`).
-
-    Attributes:
-        gpus: ranks on this node, one GPU each; an int (how many) or a list of physical
-            device indices (``[0, 3]``, as ``nvidia-smi`` numbers them). Default: every GPU.
-        processes: CPU ranks (gloo), no GPU needed. Exactly one of ``gpus``/``processes``.
-        gpu_type: required accelerator, e.g. ``"H100"`` (matched against the device name).
-        timeout: seconds for the whole call (default 3 h); ``None`` disables.
-        mlflow: one MLflow run per call (default on).
-        env: extra environment variables for every rank.
-        max_restarts: relaunch the whole gang up to N times after a failure.
-        output: ``"all"`` (every rank, prefixed), ``"rank0"`` or ``"none"``.
-        max_capture_bytes: limit on the pickled function and arguments (default 1 GiB).
-        grace_period: seconds between SIGTERM and SIGKILL when stopping ranks.
-        log_dir: keep every rank's log under this directory.
-        start_method: ``"auto"`` (fork server when usable), ``"spawn"`` or ``"forkserver"``.
-        backend: ``"local"`` (this node) or ``"ray"`` (a Ray cluster).
-        address: Ray cluster address (backend ``"ray"``; default ``RAY_ADDRESS``).
-        log_system_metrics: log CPU/GPU/memory metrics to the MLflow run.
-        hang_timeout: stop the gang when a rank makes no progress for this many seconds.
-        gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
-            once, ``None``: no limit).
-    """
-
-    gpus: int | list[int] | None = None
-    processes: int | None = None
-    gpu_type: str | None = None
-    timeout: float | None = DEFAULT_TIMEOUT
-    mlflow: bool = True
-    env: Mapping[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
-    output: Literal["all", "rank0", "none"] = "all"
-    # Beyond the spec's table: knobs users of long jobs ask for.
-    max_capture_bytes: int | None = DEFAULT_MAX_CAPTURE_BYTES
-    grace_period: float = 5.0
-    log_dir: str | None = None
-    start_method: Literal["auto", "spawn", "forkserver"] = "auto"
-    backend: Literal["local", "ray"] = "local"
-    address: str | None = None
-    # MLflow (docs/tracking.md); log_system_metrics None: on for gpus= calls, off for processes=
-    log_system_metrics: bool | None = None
-    experiment_name: str | None = None
-    run_name: str | None = None
-    run_id: str | None = None
-    tags: Mapping[str, str] = field(default_factory=dict)
-    hang_timeout: float | None = None
-    # GPUs busy with another call of this user: wait up to this many seconds for them
-    # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
-    gpu_wait: float | None = 0.0
-
-    def validate(self) -> Options:
-        def _int(name: str, v: Any, low: int) -> None:
-            if v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise LaunchError(f"{name} must be an integer, got {v!r}.")
-            if v < low:
-                raise LaunchError(f"{name} must be >= {low}, got {v}.")
-
-        if self.gpus is not None and self.processes is not None:
-            raise LaunchError(
-                f"Pass either gpus= (one rank per GPU) or processes= (CPU ranks), not both "
-                f"(got gpus={self.gpus}, processes={self.processes})."
-            )
-        if isinstance(self.gpus, (list, tuple)):
-            _device_list(self.gpus)
-        else:
-            _int("gpus", self.gpus, 1)
-        _int("processes", self.processes, 1)
-        _int("max_restarts", self.max_restarts, 0)
-        for name in ("timeout", "hang_timeout"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise LaunchError(f"{name} must be a number of seconds or None, got {v!r}.")
-            if v <= 0:
-                raise LaunchError(
-                    f"{name} must be a positive number of seconds (or None to disable), got {v}."
-                )
-        if self.gpu_wait is not None and (
-            isinstance(self.gpu_wait, bool)
-            or not isinstance(self.gpu_wait, numbers.Real)
-            or self.gpu_wait < 0
-        ):
-            raise LaunchError(
-                f"gpu_wait must be a number of seconds >= 0 or None, got {self.gpu_wait!r}."
-            )
-        if self.output not in _OUTPUT_MODES:
-            raise LaunchError(f"output must be one of {_OUTPUT_MODES}, got {self.output!r}.")
-        if self.start_method not in _START_METHODS:
-            raise LaunchError(
-                f"start_method must be one of {_START_METHODS}, got {self.start_method!r}."
-            )
-        if self.backend not in _BACKENDS:
-            raise LaunchError(f"backend must be one of {_BACKENDS}, got {self.backend!r}.")
-        if self.gpu_type is not None and not (
-            isinstance(self.gpu_type, str) and self.gpu_type.strip()
-        ):
-            raise LaunchError(
-                f"gpu_type must be a non-empty string like 'H100', got {self.gpu_type!r}."
-            )
-        if not isinstance(self.env, Mapping):
-            raise LaunchError(f"env must be a dict of str to str, got {type(self.env).__name__}.")
-        for k, v in self.env.items():
-            if not isinstance(k, str) or not k or "=" in k or "\0" in k:
-                raise LaunchError(f"env has an invalid variable name {k!r}.")
-            if not isinstance(v, (str, int, float)) or "\0" in str(v):
-                raise LaunchError(f"env[{k!r}] must be a string, got {v!r}.")
-        # --- MLflow options (the store-dependent checks are in gangrun.tracking.plan)
-        for name in ("experiment_name", "run_name", "run_id"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, str) and v.strip()):
-                raise LaunchError(f"{name} must be a non-empty string or None, got {v!r}.")
-        if self.tags is None:
-            object.__setattr__(self, "tags", {})
-        if not isinstance(self.tags, Mapping):
-            raise LaunchError(f"tags must be a dict of str to str, got {self.tags!r}.")
-        for k, v in self.tags.items():
-            if not (isinstance(k, str) and k.strip()) or not isinstance(v, str):
-                raise LaunchError(
-                    f"tags must map non-empty str keys to str values; got {k!r}: {v!r} "
-                    f"({type(k).__name__} -> {type(v).__name__}). Convert with str()."
-                )
-        if self.log_system_metrics not in (None, True, False):
-            raise LaunchError(
-                f"log_system_metrics must be True, False or None, got {self.log_system_metrics!r}."
-            )
-        if self.run_id is not None and not self.mlflow:
-            raise LaunchError(
-                f"run_id={self.run_id!r} resumes an MLflow run, but mlflow=False turns tracking "
-                "off: drop one of them."
-            )
-        # --- end of the MLflow options
-        if self.max_capture_bytes is not None:
-            _int("max_capture_bytes", self.max_capture_bytes, 1)
-        if (
-            isinstance(self.grace_period, bool)
-            or not isinstance(self.grace_period, numbers.Real)
-            or self.grace_period < 0
-        ):
-            raise LaunchError(
-                f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}."
-            )
-        if not isinstance(self.mlflow, bool):
-            raise LaunchError(f"mlflow must be True or False, got {self.mlflow!r}.")
-        return self
-
-
-def _device_list(gpus: Any) -> None:
-    if not gpus:
-        raise LaunchError("gpus=[] names no GPU; give device indices like gpus=[0, 3], or a count.")
-    for i in gpus:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
-            raise LaunchError(
-                f"gpus={list(gpus)!r}: device indices must be integers >= 0, got {i!r}."
-            )
-    if len(set(gpus)) != len(gpus):
-        raise LaunchError(f"gpus={list(gpus)!r} names a device twice; list each index once.")
-
-
-def _release_run(ref: Any, run_dir: str) -> None:
+def _release_run(ref: Callable[[], Supervisor | None], run_dir: str, owner: int) -> None:
+    if os.getpid() != owner:
+        return  # a forked child exiting: the call and its files are its parent's
     run = ref()
     if run is not None:
         run.release()
@@ -202,31 +34,32 @@ def _release_run(ref: Any, run_dir: str) -> None:
 class RunHandle(Generic[R]):
     """A running (or finished) call, returned by ``submit()``."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Supervisor) -> None:
         self._run = run
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
         # A handle dropped while its call still runs must not pull the files from under it:
         # the run then removes its directory itself when it ends.
         # The callback holds the run only weakly: run -> error -> handle would otherwise keep
         # the handle alive from the finalizer registry forever.
-        self._finalizer = weakref.finalize(self, _release_run, weakref.ref(run), run.run_dir)
+        self._finalizer = weakref.finalize(
+            self, _release_run, weakref.ref(run), run.run_dir, run.owner_pid
+        )
 
     @property
     def run_id(self) -> str:
-        return str(self._run.run_id)
+        return self._run.run_id
 
     @property
     def world_size(self) -> int:
-        return int(self._run.world_size)
+        return self._run.world_size
 
     @property
     def mlflow_run_id(self) -> str | None:
-        t = self._run.tracker
-        return None if t is None else t.run_id
+        return self._run.mlflow_run_id
 
     @property
     def log_dir(self) -> str:
-        return str(self._run.log_dir)
+        return self._run.log_dir
 
     def result(self, timeout: float | None = None) -> list[R]:
         """Block until the call ends; the per-rank results in rank order.
@@ -237,18 +70,18 @@ class RunHandle(Generic[R]):
         if not self._run.wait(timeout):
             raise TimeoutError(f"run {self.run_id} is still running after {timeout}s")
         try:
-            return self._run.outcome()  # type: ignore[no-any-return]
+            return self._run.result()
         except DistributedError as err:
             if err.handle is None:
                 err.handle = self
             raise
 
     def done(self) -> bool:
-        return bool(self._run.done())
+        return self._run.done()
 
     def cancel(self) -> bool:
         """Stop every rank (and their descendants). True if the call was still running."""
-        return bool(self._run.cancel("cancelled"))
+        return self._run.cancel("cancelled")
 
     def logs(self, rank: int = 0) -> str:
         """Everything rank ``rank`` wrote to stdout and stderr so far."""
@@ -302,25 +135,19 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
-        from .run import Run
+        from .lifecycle import Supervisor
 
         opts = self._options.validate()
-        run: Any
-        if opts.backend == "ray":
-            from .launch.ray import RayRun
-
-            run = RayRun(self._fn, args, kwargs, opts)
-        else:
-            run = Run(self._fn, args, kwargs, opts)
+        run = Supervisor(self._fn, args, kwargs, opts)
         try:
             run.start()
             return RunHandle(run)
         except BaseException:
             # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
             # before that point): nothing may keep running without a handle.
-            if getattr(run, "_thread", None) is not None:
+            if run.started:
                 run.cancel("interrupted", wait=60.0)
-                run._remove_dir()
+                run.remove_dir()
             raise
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
@@ -407,14 +234,5 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
         return wrap(fn)
     return wrap
 
-
-def _stop_all_at_exit() -> None:
-    from . import launch, run
-
-    run.stop_all()
-    launch.shutdown()  # after the calls: close the fork servers
-
-
-atexit.register(_stop_all_at_exit)
 
 __all__ = ["distributed", "DistributedFunction", "RunHandle", "Options"]

@@ -255,7 +255,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
     from .api import Options
     from .cli_options import options_from_args, speak_cli
     from .errors import DistributedError
-    from .run import Run
+    from .lifecycle.plan import plan_local, rank_specs
 
     devs = accelerators.detect()
     usage = accelerators.gpu_usage() if devs else None
@@ -293,18 +293,15 @@ def cmd_info(ns: argparse.Namespace) -> int:
     if opts is not None and opts.backend == "ray":
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     elif opts is not None:
-        run = Run(lambda: None, (), {}, dataclasses.replace(opts, gpu_wait=0.0))
         try:
-            run._resolve_world()
-            run.run_dir = "<run dir>"
-            env = run._gang_spec().ranks[0].env
+            plan = plan_local(lambda: None, opts)  # what a call would do; reserves no GPU
+            want = plan.gpus_wanted
+            devices = plan.devices[:want] if isinstance(want, int) else plan.devices
+            env = rank_specs(plan, opts, run_dir="<run dir>", devices=devices)[0].env
             rank_env = {k: env[k] for k in _SHOWN if k in env}
-            report["world_size"] = run.world_size
+            report["world_size"] = plan.world_size
         except DistributedError as exc:
             note = speak_cli(exc)
-        finally:
-            if getattr(run, "_reservation", None) is not None:
-                run._reservation.release()
     report["rank0_env"] = rank_env
     if note:
         report["note"] = note

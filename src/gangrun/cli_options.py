@@ -105,7 +105,7 @@ def options_from_args(ns: argparse.Namespace) -> dict[str, Any]:
 def _defaults_fields() -> list[str]:
     import dataclasses
 
-    from .api import Options
+    from .options import Options
 
     return [f.name for f in dataclasses.fields(Options)]
 

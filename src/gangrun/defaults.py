@@ -165,7 +165,7 @@ def parse_value(name: str, text: str) -> Any:
 
 # ------------------------------------------------------------------------------- names
 def _fields() -> dict[str, dataclasses.Field]:
-    from .api import Options
+    from .options import Options
 
     return {f.name: f for f in dataclasses.fields(Options)}
 
@@ -194,7 +194,7 @@ def check_names(names: Iterable[str], what: str) -> None:
 
 # -------------------------------------------------------------------------------- layers
 def _check_one(name: str, value: Any, where: str) -> None:
-    from .api import Options
+    from .options import Options
 
     try:
         Options(**{name: value}).validate()
@@ -270,7 +270,7 @@ def resolve_with_sources(
 ) -> tuple[Any, dict[str, str]]:
     """Like :func:`resolve`, and where each option came from: ``"argument"``,
     ``"set_defaults"``, ``"env GANGRUN_<OPTION>"`` or ``"built-in"``."""
-    from .api import Options
+    from .options import Options
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}

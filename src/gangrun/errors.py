@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal as _signal
 
+from .records import RankFailure
+
 
 class DistributedError(RuntimeError):
     """A distributed call failed.
@@ -14,6 +16,8 @@ class DistributedError(RuntimeError):
     ``traceback`` the rank's formatted Python traceback when it raised, and
     ``exc_type`` the qualified name of the exception it raised.
     When the rank's exception could be rebuilt in the caller it is ``__cause__``.
+    ``failures`` holds every rank that failed on its own (not stopped by the teardown), keyed
+    by rank, as :class:`RankFailure` records; the message leads with the root cause.
     """
 
     def __init__(
@@ -26,8 +30,10 @@ class DistributedError(RuntimeError):
         exc_type: str | None = None,
         log_tail: str | None = None,
         run_id: str | None = None,
+        failures: dict[int, RankFailure] | None = None,
     ) -> None:
         super().__init__(message)
+        self.failures: dict[int, RankFailure] = dict(failures or {})
         self.rank = rank
         self.exitcode = exitcode
         self.traceback = traceback
@@ -61,6 +67,7 @@ class DistributedError(RuntimeError):
                     "exc_type": self.exc_type,
                     "log_tail": self.log_tail,
                     "run_id": self.run_id,
+                    "failures": self.failures,
                 },
             ),
         )
@@ -122,5 +129,6 @@ __all__ = [
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",
+    "RankFailure",
     "signal_name",
 ]

@@ -24,7 +24,10 @@ import signal
 import time
 from typing import IO, Any
 
-ENV = "GANGRUN_HANG_TIMEOUT"
+from . import contract
+from .rundir import RunDir, log_path
+
+ENV = contract.HANG_TIMEOUT
 _MIN_BEAT_INTERVAL_S = 0.25
 _last_beat = 0.0
 _beat_path: str | None = None
@@ -32,11 +35,11 @@ _stack_file: IO[str] | None = None  # kept open for faulthandler
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"heartbeat.{rank}")
+    return RunDir(run_dir).heartbeat(rank)
 
 
 def stacks_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"stacks.{rank}")
+    return RunDir(run_dir).stacks(rank)
 
 
 # ---------------------------------------------------------------------------- rank side
@@ -56,9 +59,9 @@ def heartbeat() -> None:
     except FileNotFoundError:
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        except OSError:
+        except OSError:  # run directory gone (the call is ending): nothing to tell
             pass
-    except OSError:
+    except OSError:  # same: a missed beat is harmless
         pass
 
 
@@ -73,7 +76,7 @@ def install(run_dir: str, rank: int) -> None:
         )
         _stack_file = os.fdopen(fd, "w")
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
-    except (OSError, ValueError, RuntimeError):
+    except (OSError, ValueError, RuntimeError):  # no stack dump then; the guard says so
         pass
 
 
@@ -100,12 +103,12 @@ class HangGuard:
     def last_progress(self, rank: int) -> float:
         t = self.started
         for p in (
-            os.path.join(self.log_dir, f"rank-{rank}.log"),
+            log_path(self.log_dir, rank),
             heartbeat_path(self.run_dir, rank),
         ):
             try:
                 t = max(t, os.stat(p).st_mtime)
-            except OSError:
+            except OSError:  # not written yet: no progress from it
                 pass
         return t
 
@@ -130,7 +133,7 @@ class HangGuard:
         for r in live_ranks:
             try:
                 os.kill(pids[r], signal.SIGUSR1)
-            except (KeyError, ProcessLookupError, PermissionError):
+            except (KeyError, ProcessLookupError, PermissionError):  # exited meanwhile
                 pass
         deadline = time.monotonic() + wait
         sizes: dict[int, int] = {}

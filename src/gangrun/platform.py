@@ -7,6 +7,8 @@ import logging
 import os
 import select
 import signal
+import socket
+import threading
 import time
 from typing import Any
 
@@ -246,3 +248,22 @@ def _run_after_fork() -> None:
         except Exception:  # never break the user's fork
             log.debug("after-fork cleanup of %r failed", obj, exc_info=True)
     _at_fork.objects.clear()
+
+
+_ports_lock = threading.Lock()
+_recent_ports: list[int] = []  # handed out lately: concurrent calls never get the same one
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on ``host`` (not one handed out lately in this process)."""
+    port = 0
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _ports_lock:
+            if port not in _recent_ports:
+                _recent_ports.append(port)
+                del _recent_ports[:-256]
+                return port
+    return port

@@ -16,8 +16,16 @@ context and writes its own result/error/heartbeat/stacks files.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+
+from .platform import process_identity
+from .records import RankContext
+
+log = logging.getLogger("gangrun.rundir")
 
 PAYLOAD = "payload.pkl"
 CONTEXT = "context.json"
@@ -63,6 +71,86 @@ class RunDir:
         except FileNotFoundError:
             return []
         return [os.path.join(self.path, n) for n in names if n.startswith(_ATTEMPT_PREFIXES)]
+
+    def clear_attempt(self) -> None:
+        """Remove the per-attempt files (before a restart, and when the call ends)."""
+        for path in self.attempt_files():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # a rank's own clean-up got there first
+
+    def write_context(self, ctx: RankContext) -> None:
+        fd = os.open(self.context, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(ctx.to_json())
+
+    def read_context(self) -> RankContext:
+        with open(self.context) as f:
+            return RankContext.from_json(f.read())
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def create(run_id: str, log_dir: str | None) -> RunDir:
+    """Make a fresh private run directory (0700) and its log directory. On failure nothing
+    is left behind."""
+    path = tempfile.mkdtemp(prefix=f"gangrun-{run_id}-")
+    try:
+        os.chmod(path, 0o700)
+        from .security import make_private_dir
+
+        if log_dir:  # refuses a path planted by another user (docs/security.md)
+            logs = make_private_dir(os.path.join(os.path.abspath(log_dir), run_id))
+        else:
+            logs = os.path.join(path, "logs")
+            os.mkdir(logs, 0o700)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return RunDir(path, logs)
+
+
+_reaped_stale = False
+
+
+def reap_stale(tmp: str | None = None, *, force: bool = False) -> list[str]:
+    """Remove run directories (payloads, logs) left in the temp dir by callers of this user
+    that died without cleaning up (SIGKILL, a kernel restart). Once per process; cheap.
+
+    Only directories whose caller provably ran on this host, in this PID namespace, and is
+    gone are removed: a shared temp dir (two containers, hosts on a shared filesystem) holds
+    other machines' live calls, whose pids mean nothing here."""
+    global _reaped_stale
+    if _reaped_stale and not force:
+        return []
+    _reaped_stale = True
+    removed: list[str] = []
+    tmp = tmp or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith("gangrun-")]
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+            if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            ctx = RunDir(path).read_context()
+        except (OSError, ValueError):
+            continue  # not a run directory, or still being written: not ours to judge
+        if not ctx.caller or not ctx.same_machine():
+            continue
+        pid = int(ctx.caller.split(":", 1)[0])
+        if process_identity(pid) != ctx.caller:  # that caller is gone
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.debug("removed stale run directories %s", removed)
+    return removed
 
 
 def log_path(log_dir: str, rank: int) -> str:

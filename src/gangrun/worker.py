@@ -14,7 +14,6 @@ worth running.
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -23,20 +22,21 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 
-from . import platform
+from . import contract, platform
+from .records import ErrorRecord, RankContext
+from .rundir import RunDir
 
 # Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
 before_exit: list[Callable[[], None]] = []
 
 
 def result_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"result.{rank}.pkl")
+    return RunDir(run_dir).result(rank)
 
 
 def error_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"error.{rank}.pkl")
+    return RunDir(run_dir).error(rank)
 
 
 def _kill_own_tree() -> None:
@@ -47,9 +47,9 @@ def _kill_own_tree() -> None:
         for child in psutil.Process().children(recursive=True):
             try:
                 child.kill()
-            except Exception:
+            except Exception:  # exited meanwhile, or not ours: nothing more to do
                 pass
-    except Exception:
+    except Exception:  # psutil missing or /proc unreadable: the process group kill remains
         pass
     try:
         if os.getpgrp() == os.getpid():
@@ -64,7 +64,7 @@ def _watch_liveness(fd: int) -> None:
             data = os.read(fd, 64)
             if not data:
                 break
-    except OSError:
+    except OSError:  # a broken pipe is a closed caller as well
         pass
     _kill_own_tree()
 
@@ -88,7 +88,7 @@ def caller_gone() -> bool:
 
 def start_liveness_watchdog() -> None:
     global _liveness_fd
-    fd_s = os.environ.get("GANGRUN_LIVENESS_FD")
+    fd_s = os.environ.get(contract.LIVENESS_FD)
     if not fd_s:
         return
     fd = int(fd_s)
@@ -109,7 +109,20 @@ def _format_tb(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _error_record(rank: int, exc: BaseException, tb_text: str) -> dict[str, Any]:
+def _message(exc: BaseException) -> str:
+    """``str(exc)``, or a note when the exception's ``__str__`` itself fails."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return (
+            f"<the message of this {type(exc).__name__} could not be rendered: its __str__ "
+            f"raised {type(inner).__name__}>"
+        )
+
+
+def _error_record(
+    rank: int, exc: BaseException, tb_text: str, *, exitcode: int | None = None
+) -> ErrorRecord:
     from . import serialization
 
     exc_bytes: bytes | None
@@ -120,25 +133,27 @@ def _error_record(rank: int, exc: BaseException, tb_text: str) -> dict[str, Any]
         pickle.loads(exc_bytes)  # an exception whose __init__ needs other args can't come back
     except Exception:
         exc_bytes = None
-    return {
-        "rank": rank,
-        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        "message": str(exc),
-        "traceback": tb_text,
-        "exc": exc_bytes,
-        "time": time.time(),
-        "pid": os.getpid(),
-    }
+    return ErrorRecord(
+        rank=rank,
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        message=_message(exc),
+        traceback=tb_text,
+        time=time.time(),
+        pid=os.getpid(),
+        exitcode=exitcode,
+        exc=exc_bytes,
+    )
 
 
-def _write_error(run_dir: str, rank: int, record: dict[str, Any]) -> None:
+def _write_error(run_dir: str, rank: int, record: ErrorRecord) -> None:
+    from dataclasses import replace
+
     from . import serialization
 
     try:
         serialization.atomic_dump(record, error_path(run_dir, rank))
-    except Exception:
-        record = dict(record, exc=None)
-        serialization.atomic_dump(record, error_path(run_dir, rank))
+    except Exception:  # the exception itself would not pickle: keep the text only
+        serialization.atomic_dump(replace(record, exc=None), error_path(run_dir, rank))
 
 
 def _flush_and_exit(code: int) -> None:
@@ -153,32 +168,29 @@ def _flush_and_exit(code: int) -> None:
             traceback.print_exc()
     try:
         logging.shutdown()
-    except Exception:
+    except Exception:  # a broken handler must not keep the rank from exiting
         pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # the caller's end of the pipe may be gone
             pass
     platform.flush_c_stdio()  # printf from C code: os._exit skips C stdio's flush
     os._exit(code)
 
 
 def setup_context(run_dir: str) -> None:
-    with open(os.path.join(run_dir, "context.json")) as f:
-        ctx = json.load(f)
+    ctx: RankContext = RunDir(run_dir).read_context()
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = list(ctx["sys_path"])
+    paths = list(ctx.sys_path)
     if own not in paths:
         paths.append(own)
     sys.path[:] = paths
     try:
-        os.chdir(ctx["cwd"])
+        os.chdir(ctx.cwd)
     except OSError as exc:
-        print(
-            f"gangrun: cannot enter the caller's directory {ctx['cwd']!r}: {exc}", file=sys.stderr
-        )
-    sys.argv = list(ctx.get("argv") or [""])
+        print(f"gangrun: cannot enter the caller's directory {ctx.cwd!r}: {exc}", file=sys.stderr)
+    sys.argv = list(ctx.argv or [""])
 
 
 def run_rank(run_dir: str, rank: int) -> int:
@@ -189,24 +201,27 @@ def run_rank(run_dir: str, rank: int) -> int:
         setup_context(run_dir)
         from .security import load_private
 
-        fn, args, kwargs = load_private(os.path.join(run_dir, "payload.pkl"))
+        fn, args, kwargs = load_private(RunDir(run_dir).payload)
         result = fn(*args, **kwargs)
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
-            result = None
-        else:
-            if not isinstance(code, int):
-                print(code, file=sys.stderr)
-                code = 1
-            tb = _format_tb(exc)
-            _write_error(run_dir, rank, _error_record(rank, exc, tb) | {"exitcode": code})
-            return int(code) & 0xFF or 1
+            # Ended on purpose without returning: the caller decides whether that is fine
+            # (every rank did so, e.g. a script ending in sys.exit(0)) or the root cause of a
+            # failure (its peers were still waiting for it).
+            _write_error(run_dir, rank, _error_record(rank, exc, "", exitcode=0))
+            return 0
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        tb = _format_tb(exc)
+        _write_error(run_dir, rank, _error_record(rank, exc, tb, exitcode=code))
+        return int(code) & 0xFF or 1
     except BaseException as exc:
         tb = _format_tb(exc)
         try:
             sys.stderr.write(tb)
-        except Exception:
+        except Exception:  # stderr gone: the error record below still reaches the caller
             pass
         _write_error(run_dir, rank, _error_record(rank, exc, tb))
         return 1
@@ -221,8 +236,10 @@ def run_rank(run_dir: str, rank: int) -> int:
         )
         tb = traceback.format_exc()
         print(msg, file=sys.stderr)
+        from dataclasses import replace
+
         rec = _error_record(rank, TypeError(msg), tb)
-        _write_error(run_dir, rank, rec | {"message": msg, "exc_type": "ResultSerializationError"})
+        _write_error(run_dir, rank, replace(rec, exc_type="ResultSerializationError"))
         return 1
     return 0
 
@@ -233,9 +250,9 @@ def main() -> None:
     from .tracking.rank import RankRuns
 
     rank_runs = RankRuns()  # notes the call's MLFLOW_RUN_ID before user code can consume it
-    run_dir = os.environ["GANGRUN_RUN_DIR"]
+    run_dir = os.environ[contract.RUN_DIR]
     rank = int(os.environ["RANK"])
-    if os.environ.get("GANGRUN_HANG_TIMEOUT"):
+    if os.environ.get(contract.HANG_TIMEOUT):
         from .hang import install
 
         install(run_dir, rank)

@@ -143,10 +143,64 @@ def private_files() -> dict:
     for root, dirs, files in os.walk(run_dir):
         for name in dirs + files:
             p = os.path.join(root, name)
-            modes[os.path.relpath(p, run_dir)] = stat.S_IMODE(os.lstat(p).st_mode)
+            try:
+                modes[os.path.relpath(p, run_dir)] = stat.S_IMODE(os.lstat(p).st_mode)
+            except FileNotFoundError:  # a peer's temp file, renamed between walk and stat
+                continue
     modes["."] = stat.S_IMODE(os.lstat(run_dir).st_mode)
     return modes
 
 
 def always_fail() -> None:
     raise ValueError(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} failed")
+
+
+def raise_on_rank1() -> int:
+    """Rank 1 raises; rank 0 returns its rank."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        raise ValueError("rank 1 is broken")
+    return rank
+
+
+def os_exit0_on_rank1() -> int:
+    """Rank 1 leaves with os._exit(0): neither a result nor an error record."""
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    return rank
+
+
+def import_by_name(name: str) -> dict:
+    import importlib
+    import sys
+
+    mod = importlib.import_module(name)
+    return {"value": mod.VALUE, "path": list(sys.path)}
+
+
+def exit0_during_all_reduce() -> float:
+    """Rank 1 calls sys.exit(0) while rank 0 waits for it in all_reduce (gloo)."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+        sys.exit(0)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def raise_unprintable() -> None:
+    raise UnprintableError("hidden")

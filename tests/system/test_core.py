@@ -246,18 +246,18 @@ def test_caller_sigkilled_mid_run(script, tmp_path, monkeypatch):
     assert not pids_alive(pids), "ranks outlived their SIGKILLed caller"
     assert_no_survivors(proc.pid)
     # its run directory (payload, logs) is removed by the next caller of this user
-    import gangrun.run
+    import gangrun.rundir
 
     left = [p for p in private_tmp.iterdir() if p.name.startswith("gangrun-")]
     assert len(left) == 1
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
-    monkeypatch.setattr(gangrun.run, "_reaped_stale", False)
+    monkeypatch.setattr(gangrun.rundir, "_reaped_stale", False)
     mine = private_tmp / "gangrun-alive"
     mine.mkdir(mode=0o700)
     (mine / "context.json").write_text(
         json.dumps({"caller": gangrun.platform.process_identity(os.getpid())})
     )
-    assert gangrun.run.reap_stale_run_dirs() == [str(left[0])]
+    assert gangrun.rundir.reap_stale() == [str(left[0])]
     assert not left[0].exists() and mine.exists()  # a live caller's directory stays
 
 
@@ -299,7 +299,7 @@ def test_dropped_handle_keeps_files_until_the_call_ends():
     del h
     gc.collect()
     assert run.wait(60)
-    assert [len(r) for r in run.outcome()] == [1 << 20, 1 << 20]
+    assert [len(r) for r in run.result()] == [1 << 20, 1 << 20]
     assert not os.path.exists(run.run_dir)
 
 

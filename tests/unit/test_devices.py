@@ -13,7 +13,7 @@ import pytest
 
 from gangrun import LaunchError, accelerators, distributed, reservation
 from gangrun.accelerators import Accelerator, GpuProcess, GpuUsage
-from gangrun.run import Run
+from gangrun.lifecycle.plan import base_env, plan_local
 
 DEVS = [Accelerator(i, "NVIDIA H100 80GB HBM3", f"GPU-{i}abc") for i in (0, 1, 2, 3)]
 
@@ -76,19 +76,20 @@ def test_reserve_exact_busy_names_the_holder():
     got.release()
 
 
-def test_run_resolves_a_device_list(monkeypatch):
+def test_plan_resolves_a_device_list(monkeypatch):
     monkeypatch.setattr(accelerators, "detect", lambda: list(DEVS))
-    run = Run(_noop, (), {}, distributed(gpus=[2, 0], mlflow=False)(_noop).settings)
+    opts = distributed(gpus=[2, 0], mlflow=False)(_noop).settings
+    plan = plan_local(_noop, opts)
+    assert plan.world_size == 2 and plan.gpus_wanted == [2, 0]
+    assert [d.index for d in plan.devices] == [2, 0]
+    got = reservation.reserve_exact(plan.devices)  # what the supervisor acquires
     try:
-        run._resolve_world()
-        assert run.world_size == 2
-        assert [d.index for d in run.devices] == [2, 0]
-        assert run._base_env()["CUDA_VISIBLE_DEVICES"] == "2,0"
+        assert base_env(opts, 2, got.devices)["CUDA_VISIBLE_DEVICES"] == "2,0"
     finally:
-        run._reservation.release()
-    bad = Run(_noop, (), {}, distributed(gpus=[7], mlflow=False)(_noop).settings)
+        got.release()
+    bad = distributed(gpus=[7], mlflow=False)(_noop).settings
     with pytest.raises(LaunchError, match="GPU 7 is not visible"):
-        bad._resolve_world()
+        plan_local(_noop, bad)
 
 
 def test_format_gpu_report():

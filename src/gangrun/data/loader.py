@@ -8,18 +8,27 @@ hands it to :meth:`~VolumeDataset.record_progress` as the batch reaches the trai
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.utils.data import DataLoader, IterableDataset
 
-if TYPE_CHECKING:
-    from .dataset import VolumeDataset
+
+class Resumable(Protocol):
+    """The public resume API of :class:`~gangrun.data.VolumeDataset` that the loader uses."""
+
+    def resume_position(self) -> dict[str, Any] | None: ...
+
+    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None: ...
+
+    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]: ...
+
+    def record_progress(self, worker: int, progress: Any) -> None: ...
 
 
 class _TaggedView(IterableDataset):
     """What the loader's workers iterate: samples tagged with (worker id, progress)."""
 
-    def __init__(self, volume: VolumeDataset) -> None:
+    def __init__(self, volume: Resumable) -> None:
         self.volume = volume
         self.start: dict[str, Any] | None = None
 
@@ -52,7 +61,7 @@ class VolumeLoader(DataLoader):
     batches the training loop received.
     """
 
-    def __init__(self, dataset: VolumeDataset, **kwargs: Any) -> None:
+    def __init__(self, dataset: Resumable, **kwargs: Any) -> None:
         if kwargs.get("persistent_workers"):
             raise ValueError("VolumeLoader does not support persistent_workers=True")
         if "sampler" in kwargs or "batch_sampler" in kwargs or kwargs.get("shuffle"):

@@ -73,9 +73,11 @@ def _trimmed_tb(exc: BaseException) -> str:
 
 
 def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:
+    import dataclasses
+
     from ..worker import _error_record as record
 
-    return record(rank, exc, _trimmed_tb(exc))
+    return dataclasses.asdict(record(rank, exc, _trimmed_tb(exc)))
 
 
 def _run(msg: tuple, ns: dict[str, Any]) -> Any:

@@ -29,8 +29,9 @@ import weakref
 from typing import Any
 
 from .. import serialization
-from ..api import DEFAULT_TIMEOUT, Options, RunHandle, distributed
+from ..api import RunHandle, distributed
 from ..errors import DistributedError, DistributedTimeoutError, LaunchError
+from ..options import DEFAULT_TIMEOUT, Options
 from . import protocol
 from .outcome import PerRank, failure
 from .rank import HELLO, gang

@@ -54,7 +54,6 @@ class GangSpec:
     cwd: str = ""  # the ranks' working directory (the caller's)
     start_method: str = "auto"  # auto | spawn | forkserver (local backend)
     placement: RayPlacement | None = None  # set: the Ray backend
-    extra: dict = field(default_factory=dict)  # deprecated: being replaced by typed fields
 
 
 @dataclass(frozen=True)

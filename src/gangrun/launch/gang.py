@@ -34,9 +34,11 @@ _START_METHODS = ("auto", "spawn", "forkserver")
 
 
 def open_log(log_dir: str, rank: int) -> IO[bytes]:
-    """Rank ``rank``'s log file (appended to across restarts; 0600)."""
-    fd = os.open(log_path(log_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    return os.fdopen(fd, "ab", buffering=0)
+    """Rank ``rank``'s log file (appended to across restarts; 0600; never through a symlink
+    or into a file of another user: docs/security.md)."""
+    from ..security import open_log as open_private_log
+
+    return open_private_log(log_path(log_dir, rank))
 
 
 def start_method(spec: GangSpec) -> str:
@@ -51,7 +53,7 @@ def choose_spawner(spec: GangSpec) -> Spawner:
     or asked for, falling back to fresh interpreters, once, here, when it cannot start.
     An environment the kernel would not start a process with is refused first."""
     check_env(spec.ranks)
-    if spec.placement is not None or "bundle" in spec.extra:  # extra: transitional (RayRun)
+    if spec.placement is not None:
         from .ray.spawner import RaySpawner
 
         return RaySpawner(spec)
@@ -83,7 +85,6 @@ class ProcessGang:
         self.spec = spec
         self.pump = pump
         self.events = events
-        self.exits = events  # transitional: run.py (until the lifecycle lands) reads these
         self.spawner = spawner
         self.pids: dict[int, int] = {}
         self._procs: dict[int, RankProcess] = {}
@@ -148,13 +149,6 @@ class ProcessGang:
         self._done[rank].set()
         self.events.put(RankExit(rank, code, time.time()))
 
-    def next_exit(self, timeout: float | None) -> RankExit | None:
-        """Transitional (run.py): the lifecycle reads its ``events`` queue itself."""
-        try:
-            return self.events.get(timeout=timeout)  # type: ignore[no-any-return]
-        except queue.Empty:
-            return None
-
     # -- state and teardown -----------------------------------------------------------
     def alive(self) -> list[int]:
         return [r for r, ev in self._done.items() if not ev.is_set()]
@@ -205,10 +199,3 @@ class ProcessGang:
             os.close(self._live_w)
             self._live_w = -1
         self._released = True  # the lease (fork server, Ray) is the parent's
-
-
-def legacy_gang(method: str, spec: GangSpec, pump: OutputPump) -> ProcessGang:
-    """Transitional (``run.Run._launcher``): a gang with its own events queue."""
-    if method != "auto" or spec.start_method == "auto":
-        spec.start_method = method
-    return ProcessGang(spec, pump, queue.Queue(), choose_spawner(spec))

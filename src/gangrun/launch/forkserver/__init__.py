@@ -22,15 +22,9 @@ registry), ``spawner`` (the :class:`~gangrun.launch.Spawner`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .client import registry, startup_signature, usable
-
-if TYPE_CHECKING:
-    from ...output import OutputPump
-    from .. import GangSpec
-    from ..gang import ProcessGang
 
 
 def server_info() -> dict[str, Any] | None:
@@ -48,15 +42,6 @@ def server_info() -> dict[str, Any] | None:
 def discard_server() -> None:
     """Stop every idle or running fork server: the next launch starts a new one."""
     registry.close_all(0.5)
-
-
-def launcher_for(start_method: str) -> Callable[[GangSpec, OutputPump], ProcessGang]:
-    """Transitional (``run.Run._launcher``, until the lifecycle calls ``open_gang``)."""
-    import functools
-
-    from ..gang import legacy_gang
-
-    return functools.partial(legacy_gang, start_method)
 
 
 __all__ = ["server_info", "discard_server", "registry", "startup_signature", "usable"]

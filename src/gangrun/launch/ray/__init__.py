@@ -26,37 +26,12 @@ Knobs (environment variables, read from ``env=`` first, then the caller's enviro
 - ``GANGRUN_RAY_FORWARD_ENV``: comma-separated names of further caller variables to ship.
 
 Modules: ``placement`` (connection, placement group, per-node environments), ``actor`` (the
-rank actor), ``spawner`` (the :class:`~gangrun.launch.Spawner`); ``legacy`` holds the
-transitional ``RayRun`` planning class.
+rank actor), ``spawner`` (the :class:`~gangrun.launch.Spawner`). The planning (world size,
+bundle, strategy, runtime env) is the lifecycle's: :mod:`gangrun.lifecycle.ray_plan`.
 """
 
 from __future__ import annotations
 
-import queue
-from typing import TYPE_CHECKING, Any
-
 from .placement import STRATEGIES, connect, fmt_resources, node_envs
 
-if TYPE_CHECKING:
-    from ...output import OutputPump
-    from .. import GangSpec
-    from ..gang import ProcessGang
-
-
-def RayGang(spec: GangSpec, pump: OutputPump) -> ProcessGang:  # noqa: N802 - was a class
-    """Transitional (``RayRun._launcher``): the gang of a Ray call, with its own queue."""
-    from ..gang import ProcessGang
-    from .spawner import RaySpawner
-
-    return ProcessGang(spec, pump, queue.Queue(), RaySpawner(spec))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RayRun":  # transitional: imports gangrun.run, so only on demand
-        from .legacy import RayRun
-
-        return RayRun
-    raise AttributeError(name)
-
-
-__all__ = ["RayGang", "connect", "fmt_resources", "node_envs", "STRATEGIES"]
+__all__ = ["connect", "fmt_resources", "node_envs", "STRATEGIES"]

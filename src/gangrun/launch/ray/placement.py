@@ -58,19 +58,10 @@ def fmt_resources(res: dict[str, float]) -> str:
 
 
 def placement_of(spec: GangSpec) -> RayPlacement:
-    """``spec.placement``; transitional: built from ``spec.extra`` as ``RayRun`` fills it
-    (the lead deletes this fallback when the lifecycle's plan sets ``placement``)."""
-    if spec.placement is not None:
-        return spec.placement
-    x = spec.extra
-    return RayPlacement(
-        bundle=dict(x["bundle"]),
-        strategy=str(x["strategy"]),
-        runtime_env=dict(x.get("runtime_env") or {}),
-        placement_timeout=float(x["placement_timeout"]),
-        gpu_type=x.get("gpu_type"),
-        user_omp=bool(x.get("user_omp")),
-    )
+    """``spec.placement`` (set by the lifecycle's Ray planner)."""
+    if spec.placement is None:
+        raise ValueError("a Ray gang needs spec.placement (gangrun.lifecycle.ray_plan)")
+    return spec.placement
 
 
 def reserve(ray: Any, placement: RayPlacement, n: int) -> Any:

@@ -1,0 +1,114 @@
+"""What an attempt's ranks left in the run directory: results, error records, and from them
+whether an exit is a failure, the root cause, and the per-rank results."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .. import security
+from ..errors import DistributedError
+from ..launch import RankExit
+from ..records import ErrorRecord, RankFailure
+from ..rundir import RunDir
+from .rootcause import Candidate, build_error, exit_failed, failure_of, pick
+
+log = logging.getLogger("gangrun.lifecycle.collect")
+
+
+class RankFiles:
+    """One attempt's view of the run directory (error records are read once, then cached)."""
+
+    def __init__(self, rundir: RunDir, world_size: int, run_id: str, grace: float) -> None:
+        self.rundir = rundir
+        self.world_size = world_size
+        self.run_id = run_id
+        self.grace = grace
+        self._records: dict[int, ErrorRecord | None] = {}
+
+    def record(self, rank: int) -> ErrorRecord | None:
+        if rank not in self._records:
+            try:
+                raw = security.load_private(self.rundir.error(rank))
+            except FileNotFoundError:
+                raw = None
+            except Exception as exc:  # unreadable: judged by its exit status alone
+                log.warning("the error record of rank %s could not be read: %s", rank, exc)
+                raw = None
+            self._records[rank] = ErrorRecord.coerce(raw)
+        return self._records[rank]
+
+    def has_result(self, rank: int) -> bool:
+        return os.path.exists(self.rundir.result(rank))
+
+    def exit_failed(self, ev: RankExit) -> bool:
+        """The error record is authoritative; exit 0 with neither result nor record failed."""
+        rec = self.record(ev.rank)
+        return exit_failed(ev, rec, rec is None and self.has_result(ev.rank))
+
+    def root_cause(
+        self, exits: dict[int, RankExit], first: RankExit, teardown_at: float, pids: dict[int, int]
+    ) -> DistributedError:
+        candidates: list[Candidate] = []
+        late: list[Candidate] = []  # died without a record just after the teardown began
+        failures: dict[int, RankFailure] = {}
+        late_window = min(1.0, self.grace)
+        for rank, ev in exits.items():
+            rec = self.record(rank)
+            clean_early = rec is not None and rec.is_clean_exit
+            if not clean_early and not exit_failed(ev, rec, self.has_result(rank)):
+                continue  # returned normally
+            c = Candidate(rec.time if rec else ev.time, rank, ev, rec)
+            if rank == first.rank or c.time <= teardown_at:
+                candidates.append(c)  # ended (without returning) before the teardown
+                failures[rank] = failure_of(c)
+            elif rec is not None and not clean_early:
+                failures[rank] = failure_of(c)  # raised during the teardown: kept, not blamed
+            elif rec is None and ev.exitcode != 0 and c.time <= teardown_at + late_window:
+                late.append(c)
+        cause = pick(candidates, late)
+        failures.setdefault(cause.rank, failure_of(cause))
+        return build_error(
+            cause,
+            dict(sorted(failures.items())),
+            world_size=self.world_size,
+            pid=pids.get(cause.rank),
+            log_file=self.rundir.log(cause.rank),
+            log_dir=self.rundir.logs,
+            run_id=self.run_id,
+        )
+
+    def collect(self) -> list[Any]:
+        """Every rank's return value, rank-ordered (``None`` for a rank that ended with
+        ``sys.exit(0)`` when every rank ended cleanly); results are removed once read."""
+        out: list[Any] = []
+        for r in range(self.world_size):
+            p = self.rundir.result(r)
+            if not os.path.exists(p):
+                rec = self.record(r)
+                if rec is not None and rec.is_clean_exit:
+                    out.append(None)
+                    continue
+                raise DistributedError(
+                    f"Rank {r} exited with code 0 before returning a result.",
+                    rank=r,
+                    exitcode=0,
+                    run_id=self.run_id,
+                )
+            try:
+                out.append(security.load_private(p))  # only from a 0700 dir of this user
+            except Exception as exc:
+                raise DistributedError(
+                    f"The result of rank {r} could not be loaded in the caller: "
+                    f"{type(exc).__name__}: {exc}. Is its class importable here?",
+                    rank=r,
+                    run_id=self.run_id,
+                ) from exc
+            finally:
+                if os.path.exists(p):
+                    os.unlink(p)
+        return out
+
+
+__all__ = ["RankFiles"]

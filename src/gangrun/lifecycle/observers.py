@@ -1,0 +1,102 @@
+"""Observers of a call: told of every lifecycle transition, with the outcome so far.
+
+Adding one is a class with the hooks it needs (:class:`Observer` has no-op defaults) passed
+to the supervisor. Today: MLflow tracking (:class:`MlflowObserver`) and the printed notices
+(:class:`NoticeObserver`); a notebook panel would be a third.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from .state import Outcome, State
+
+log = logging.getLogger("gangrun.lifecycle.observers")
+
+
+@dataclass
+class CallInfo:
+    """What observers know of the call (filled in as the supervisor learns it)."""
+
+    run_id: str
+    fn_name: str
+    world_size: int = 0
+    attempt: int = 0
+    max_restarts: int = 0
+    log_files: dict[int, str] = field(default_factory=dict)
+    tracking: dict[str, Any] = field(default_factory=dict)  # params/tags for the MLflow run
+    stdout: IO[str] | None = None
+    stderr: IO[str] | None = None
+
+
+class Observer:
+    """Base class: override what you need. Hooks must not raise (the supervisor logs and
+    carries on if one does: an observer never changes how the call ends)."""
+
+    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        """Called after every transition into ``state``."""
+
+    def rank_env(self) -> dict[str, str]:
+        """Variables every rank gets (asked before each launch)."""
+        return {}
+
+
+class MlflowObserver(Observer):
+    """One MLflow run per call: created when the first launch begins (its link printed),
+    ended with the outcome's status (logs attached) when the call reaches a terminal state."""
+
+    def __init__(self, start: Callable[[dict[str, Any], Any], Any] | None = None) -> None:
+        self._start = start
+        self.tracker: Any = None  # gangrun.tracking.Tracker once started
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.tracker is None else str(self.tracker.run_id)
+
+    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        if state is State.LAUNCHING and call.attempt == 0 and self.tracker is None:
+            start = self._start
+            if start is None:
+                from ..tracking import Tracker
+
+                start = Tracker.start
+            self.tracker = start(call.tracking, call.stdout)
+        elif state.terminal and self.tracker is not None:
+            status = outcome.mlflow_status or "FAILED"
+            try:
+                self.tracker.finish(status, outcome.error, call.log_files)
+            except Exception as exc:
+                print(f"gangrun: could not finish the MLflow run: {exc}", file=call.stderr)
+
+    def rank_env(self) -> dict[str, str]:
+        return {} if self.tracker is None else dict(self.tracker.rank_env())
+
+
+class NoticeObserver(Observer):
+    """The one-line notices users see in the cell: restarts."""
+
+    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        if state is State.RESTARTING and outcome.attempts:
+            err = outcome.attempts[-1].error
+            first = str(err.args[0]).splitlines()[0] if err is not None and err.args else ""
+            print(
+                f"gangrun: {first} Restarting the gang (restart {call.attempt + 1}/"
+                f"{call.max_restarts}).",
+                file=call.stderr,
+            )
+
+
+def notify(observers: list[Observer], state: State, outcome: Outcome, call: CallInfo) -> None:
+    """Tell every observer; one that raises is logged and skipped: an observer never changes
+    how the call ends (MLflow's own start-up problems are a printed note of the tracker's)."""
+    for obs in observers:
+        try:
+            obs.on_transition(state, outcome, call)
+        except Exception:
+            log.exception("observer %r failed on %s", obs, state.value)
+
+
+__all__ = ["CallInfo", "Observer", "MlflowObserver", "NoticeObserver", "notify"]

@@ -1,0 +1,263 @@
+"""The plan of a call: world size, devices and every rank's environment.
+
+Side-effect free: it reads the options, the attached accelerators, the caller's environment,
+``sys.path`` and working directory, and decides; it acquires nothing (GPU *reservation* is
+the supervisor's, see :mod:`gangrun.lifecycle.supervisor`). ``gangrun info`` uses only this.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .. import contract
+from ..errors import LaunchError
+from ..launch import RankSpec
+from ..platform import cpu_count, free_port, process_identity
+from ..records import RankContext, pid_namespace
+
+
+class CallOptions(Protocol):
+    """What the lifecycle reads of :class:`gangrun.Options` (typed without importing the API;
+    read-only, as the frozen dataclass is)."""
+
+    @property
+    def gpus(self) -> int | list[int] | None: ...
+    @property
+    def processes(self) -> int | None: ...
+    @property
+    def gpu_type(self) -> str | None: ...
+    @property
+    def timeout(self) -> float | None: ...
+    @property
+    def mlflow(self) -> bool: ...
+    @property
+    def env(self) -> Mapping[str, str]: ...
+    @property
+    def max_restarts(self) -> int: ...
+    @property
+    def output(self) -> str: ...
+    @property
+    def max_capture_bytes(self) -> int | None: ...
+    @property
+    def grace_period(self) -> float: ...
+    @property
+    def log_dir(self) -> str | None: ...
+    @property
+    def start_method(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def address(self) -> str | None: ...
+    @property
+    def log_system_metrics(self) -> bool | None: ...
+    @property
+    def experiment_name(self) -> str | None: ...
+    @property
+    def run_name(self) -> str | None: ...
+    @property
+    def run_id(self) -> str | None: ...
+    @property
+    def tags(self) -> Mapping[str, str]: ...
+    @property
+    def hang_timeout(self) -> float | None: ...
+    @property
+    def gpu_wait(self) -> float | None: ...
+
+
+@dataclass
+class Plan:
+    run_id: str
+    fn_name: str
+    world_size: int
+    # local GPU ranks: how many of ``devices`` the supervisor reserves (a count), or exactly
+    # which (device indices, ``gpus=[0, 3]``); 0: no GPU
+    gpus_wanted: int | list[int] = 0
+    devices: list[Any] = field(default_factory=list)  # the candidates (the node's, or those named)
+    gpu_name: str | None = None
+    context: RankContext | None = None
+    backend: str = "local"
+
+
+def function_name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn))))
+
+
+def check_gpu_type(pool: Sequence[Any], gpu_type: str | None) -> None:
+    if gpu_type is None:
+        return
+    from .. import accelerators
+
+    if not pool:
+        raise LaunchError(
+            f"gpu_type={gpu_type!r} was requested but no GPU is attached to this node."
+        )
+    bad = [d for d in pool if not accelerators.matches_type(d.name, gpu_type)]
+    if bad:
+        raise LaunchError(
+            f"gpu_type={gpu_type!r} does not match the attached accelerator "
+            f"{bad[0].name!r} (GPU {bad[0].index}). Drop gpu_type to accept it, or run "
+            "on a node with the requested GPU."
+        )
+
+
+def plan_local(fn: Callable[..., Any], opts: CallOptions) -> Plan:
+    """World size and candidate devices on this node (raises ``LaunchError``)."""
+    plan = Plan(uuid.uuid4().hex[:12], function_name(fn), 0)
+    if opts.processes is not None and opts.gpu_type is None:
+        plan.world_size = opts.processes
+        return plan
+    from .. import accelerators
+
+    devs = accelerators.detect()
+    if opts.processes is not None:  # gpu_type given in CPU mode: still check what is attached
+        plan.world_size = opts.processes
+        check_gpu_type(devs, opts.gpu_type)
+        return plan
+    if not devs:
+        raise LaunchError(
+            "No GPU was found on this node (checked NVML, nvidia-smi and torch). "
+            "To run on CPU processes instead (gloo), pass processes=N, e.g. "
+            "@distributed(processes=2)."
+        )
+    want: int | list[int] = opts.gpus if opts.gpus is not None else len(devs)
+    pool = accelerators.select_devices(devs, want)
+    n = want if isinstance(want, int) else len(pool)
+    check_gpu_type(pool[:n], opts.gpu_type)  # the reserved ones are checked again
+    plan.world_size = n
+    plan.gpus_wanted = want
+    plan.devices = pool
+    plan.gpu_name = pool[0].name
+    return plan
+
+
+def rank_context(opts: CallOptions) -> RankContext:
+    """What every rank adopts from the caller: ``sys.path`` (plus what ``env``'s PYTHONPATH
+    adds, first, as Python would put it), working directory, ``argv[0]``, caller identity."""
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        raise LaunchError(
+            "The working directory of this process is gone (it was deleted): the ranks would "
+            "start in it. os.chdir() to an existing directory and call again."
+        ) from None
+    added: list[str] = []
+    raw = (opts.env or {}).get("PYTHONPATH")
+    if raw:
+        added = [os.path.join(cwd, p) for p in str(raw).split(os.pathsep) if p]
+    caller_path = [os.fspath(p) for p in sys.path]  # a pathlib.Path is a valid entry too
+    paths = added + [p for p in caller_path if p not in added]
+    return RankContext(
+        sys_path=paths,
+        cwd=cwd,
+        argv=[os.fspath(a) for a in sys.argv[:1]],
+        caller=process_identity(os.getpid()),
+        host=socket.gethostname(),
+        pid_ns=pid_namespace(),
+    )
+
+
+def base_env(opts: CallOptions, world_size: int, devices: Sequence[Any]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({str(k): str(v) for k, v in (opts.env or {}).items()})
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, world_size)))
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
+    if opts.backend == "local":
+        # one node: gloo's pairs listen on loopback only (docs/security.md)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if opts.hang_timeout is not None:
+        env[contract.HANG_TIMEOUT] = str(opts.hang_timeout)
+    return env
+
+
+def rank_specs(
+    plan: Plan,
+    opts: CallOptions,
+    *,
+    run_dir: str,
+    devices: Sequence[Any] = (),
+    attempt: int = 0,
+    tracking_env: Mapping[str, str] | None = None,
+) -> list[RankSpec]:
+    """Every rank's torchrun-compatible environment for one attempt."""
+    base = base_env(opts, plan.world_size, devices)
+    base.update(tracking_env or {})
+    port = free_port()
+    n = plan.world_size
+    ranks = []
+    for r in range(n):
+        env = dict(base)
+        env.update(
+            {
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(n),
+                "NODE_RANK": "0",
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_NAME": "default",
+                "ROLE_RANK": str(r),
+                "ROLE_WORLD_SIZE": str(n),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": plan.run_id,
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                "TORCHELASTIC_MAX_RESTARTS": str(opts.max_restarts),
+                "PYTHONUNBUFFERED": "1",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                contract.RUN_ID: plan.run_id,
+                contract.RUN_DIR: run_dir,
+                contract.CALLER_PID: str(os.getpid()),
+            }
+        )
+        ranks.append(RankSpec(r, env))
+    return ranks
+
+
+def tracking_info(
+    plan: Plan,
+    opts: CallOptions,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What the MLflow run records about the call (params and tags)."""
+    from ..tracking.plan import call_arguments
+    from ..version import __version__
+
+    info = {
+        "function": plan.fn_name,
+        "world_size": plan.world_size,
+        "processes": opts.processes,
+        "gpus": opts.gpus if opts.processes is None else None,
+        "gpu_type": plan.gpu_name or opts.gpu_type,
+        "timeout": opts.timeout,
+        "version": __version__,
+        "host": socket.gethostname(),
+        "args": call_arguments(fn, args, dict(kwargs)),  # by parameter name
+        "run_id": plan.run_id,
+        "options": opts,  # experiment_name, run_name, run_id, tags, log_system_metrics
+    }
+    if plan.backend == "ray":
+        info["backend"] = "ray"
+    return info
+
+
+__all__ = [
+    "CallOptions",
+    "Plan",
+    "plan_local",
+    "rank_context",
+    "rank_specs",
+    "base_env",
+    "check_gpu_type",
+    "tracking_info",
+]

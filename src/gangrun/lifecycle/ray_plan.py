@@ -1,0 +1,196 @@
+"""The Ray backend's planner: world size, placement and rank environments on a Ray cluster.
+
+The second planner beside :func:`gangrun.lifecycle.plan.plan_local`. It connects to the
+cluster (``address=`` / ``RAY_ADDRESS``) to read its resources, sizes the world, and decides
+the :class:`gangrun.launch.RayPlacement` the Ray launcher uses. Knobs (read from ``env=``
+first, then the caller's environment): ``GANGRUN_RAY_STRATEGY``, ``GANGRUN_RAY_RUNTIME_ENV``,
+``GANGRUN_RAY_PLACEMENT_TIMEOUT``, ``GANGRUN_RAY_FORWARD_ENV`` (see :mod:`gangrun.contract`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .. import contract
+from ..errors import LaunchError
+from ..launch import GangSpec, RayPlacement
+from ..launch.ray.placement import STRATEGIES, connect, fmt_resources
+from .plan import CallOptions, Plan, function_name
+
+# Caller variables shipped to remote ranks even though gangrun did not set them; the rest of
+# the caller's environment (PATH, HOME, virtualenv...) belongs to the caller's machine.
+_FORWARD_PREFIXES = (
+    "MLFLOW_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "WANDB_",
+    "NCCL_",
+    "GLOO_",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_LAUNCH_BLOCKING",
+    "OMP_",
+    "MKL_",
+    "AWS_",
+    "FSSPEC_",
+    "GANGRUN_",
+    "PYTHONHASHSEED",
+    "PYTHONFAULTHANDLER",
+    "DS_",
+)
+
+
+def _type_matches(ray_type: str, want: str) -> bool:
+    from .. import accelerators
+
+    # Ray's names look like "H100", "A10G", "NVIDIA_H100-80GB"...
+    return accelerators.matches_type(ray_type.replace("_", " "), want)
+
+
+def _knob(opts: CallOptions, name: str, default: str | None = None) -> str | None:
+    env = opts.env or {}
+    if name in env:
+        return str(env[name])
+    return os.environ.get(name, default)
+
+
+def plan_ray(fn: Callable[..., Any], opts: CallOptions) -> tuple[Plan, RayPlacement]:
+    """Size the world on the cluster and decide the placement (raises ``LaunchError``)."""
+    import uuid
+
+    plan = Plan(uuid.uuid4().hex[:12], function_name(fn), 0, backend="ray")
+    ray = connect(opts.address)
+    total = ray.cluster_resources()
+    if opts.processes is not None:
+        plan.world_size = opts.processes
+        have = total.get("CPU", 0)
+        kind = "CPU"
+    else:
+        have = total.get("GPU", 0)
+        if isinstance(opts.gpus, list):
+            raise LaunchError(
+                f"gpus={opts.gpus!r} names device indices of this node; with backend='ray' "
+                "give a count (gpus=N): Ray picks the GPUs on each node."
+            )
+        if opts.gpus is None and have < 1:
+            raise LaunchError(
+                "The Ray cluster has no GPU (resources: "
+                f"{fmt_resources(total)}). To run CPU ranks (gloo) instead, pass "
+                "processes=N, e.g. @distributed(processes=2, backend='ray')."
+            )
+        plan.world_size = opts.gpus if opts.gpus is not None else int(have)
+        kind = "GPU"
+    if plan.world_size > have:
+        raise LaunchError(
+            f"{'processes' if kind == 'CPU' else 'gpus'}={plan.world_size} but the Ray "
+            f"cluster has {have:g} {kind}(s) in all ({fmt_resources(total)}). Ask for at "
+            "most that many ranks, or add nodes to the cluster."
+        )
+    bundle = {kind: 1.0}
+    types = [k.split(":", 1)[1] for k in total if k.startswith("accelerator_type:")]
+    if opts.gpu_type is not None and kind == "GPU":
+        match = [t for t in types if _type_matches(t, opts.gpu_type)]
+        if types and not match:
+            raise LaunchError(
+                f"gpu_type={opts.gpu_type!r} matches none of the Ray cluster's accelerator "
+                f"types ({', '.join(sorted(types))})."
+            )
+        if match:
+            bundle[f"accelerator_type:{match[0]}"] = 0.001
+        plan.gpu_name = match[0] if match else opts.gpu_type
+    elif kind == "GPU":
+        plan.gpu_name = types[0] if len(types) == 1 else None
+    strategy = (_knob(opts, contract.RAY_STRATEGY, "PACK") or "PACK").upper()
+    if strategy not in STRATEGIES:
+        raise LaunchError(f"GANGRUN_RAY_STRATEGY must be one of {STRATEGIES}, got {strategy!r}.")
+    raw = _knob(opts, contract.RAY_RUNTIME_ENV)
+    try:
+        runtime_env = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise LaunchError(f"GANGRUN_RAY_RUNTIME_ENV is not valid JSON: {exc}") from exc
+    if not isinstance(runtime_env, dict):
+        raise LaunchError("GANGRUN_RAY_RUNTIME_ENV must be a JSON object.")
+    runtime_env = _upload_local_dirs(ray, runtime_env)
+    timeout = float(_knob(opts, contract.RAY_PLACEMENT_TIMEOUT, "300") or 300)
+    if opts.timeout is not None:
+        timeout = min(timeout, float(opts.timeout))
+    user = {str(k): str(v) for k, v in (opts.env or {}).items()}
+    placement = RayPlacement(
+        bundle=bundle,
+        strategy=strategy,
+        runtime_env=runtime_env,
+        placement_timeout=timeout,
+        gpu_type=opts.gpu_type if kind == "GPU" else None,
+        user_omp="OMP_NUM_THREADS" in user or "OMP_NUM_THREADS" in os.environ,
+    )
+    return plan, placement
+
+
+def ship_env(
+    spec: GangSpec, opts: CallOptions, placement: RayPlacement, tracked: Mapping[str, str]
+) -> None:
+    """Keep in each rank's environment only what a remote node needs: what gangrun or the
+    user set, MLflow's variables, the forwarded prefixes (the caller's PATH, HOME, virtualenv
+    belong to the caller's machine); and set the placement on the spec."""
+    caller = os.environ
+    user = {str(k): str(v) for k, v in (opts.env or {}).items()}
+    names = {s.strip() for s in (_knob(opts, contract.RAY_FORWARD_ENV) or "").split(",")}
+    for rs in spec.ranks:
+        base = rs.env
+        rs.env = {
+            k: v
+            for k, v in base.items()
+            if k in user
+            or k in tracked
+            or k in names
+            or caller.get(k) != v
+            or k.startswith(_FORWARD_PREFIXES)
+        }
+        for k in ("RANK", "WORLD_SIZE", "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+            rs.env[k] = base[k]
+    spec.placement = placement
+
+
+def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """Upload a local ``working_dir``/``py_modules`` to the cluster (as ``ray.init`` does for
+    a job's runtime env; Ray refuses local paths in an actor's own runtime env)."""
+    wd = runtime_env.get("working_dir")
+    mods = runtime_env.get("py_modules") or []
+    local = (isinstance(wd, str) and "://" not in wd) or any(
+        not isinstance(m, str) or "://" not in m for m in mods
+    )
+    if not local:
+        return runtime_env
+    from .._compat_imports import RAY_SUPPORTED, private_import
+
+    upload_py_modules_if_needed = private_import(
+        "ray._private.runtime_env.py_modules",
+        "upload_py_modules_if_needed",
+        supported=RAY_SUPPORTED,
+    )
+    upload_working_dir_if_needed = private_import(
+        "ray._private.runtime_env.working_dir",
+        "upload_working_dir_if_needed",
+        supported=RAY_SUPPORTED,
+    )
+    try:
+        scratch = ray._private.worker.global_worker.node.get_runtime_env_dir_path()
+        env = dict(runtime_env)
+        env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        env.pop("excludes", None)
+        return env  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise LaunchError(
+            f"Could not upload the local working_dir/py_modules of GANGRUN_RAY_RUNTIME_ENV "
+            f"({exc}). Pass them to ray.init(runtime_env=...) yourself before the call, or "
+            "give URIs (s3://..., gs://...) instead."
+        ) from exc
+
+
+__all__ = ["plan_ray", "ship_env"]

@@ -1,0 +1,471 @@
+"""The supervisor of one call: acquires, launches, watches, restarts, collects, tears down.
+
+It owns what it acquired (GPU reservation, run directory, the gang and its output pump; the
+MLflow run through its observer) and releases all of it on ONE path, :meth:`_finish`, for a
+partial start, an interrupt, a failure and a normal end alike. A monitor thread waits on the
+call's event queue, which carries the gang's rank exits and the lifecycle's own events
+(cancel); the deadline and the hang guard are the queue wait's timeout (no polling on the
+exit path: a failure is seen as soon as its waiter thread reports it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from .. import serialization
+from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
+from ..launch import Gang, GangSpec, RankExit, RayPlacement, open_gang
+from ..records import RankContext
+from ..rundir import RunDir, create, reap_stale
+from . import calls
+from .collect import RankFiles
+from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify
+from .plan import (
+    CallOptions,
+    Plan,
+    check_gpu_type,
+    plan_local,
+    rank_context,
+    rank_specs,
+    tracking_info,
+)
+from .policy import Decision, RestartPolicy
+from .state import (
+    Attempt,
+    CancelRequested,
+    DeadlineReached,
+    Event,
+    HangDetected,
+    LaunchFailed,
+    Outcome,
+    RankExited,
+    State,
+    StateMachine,
+)
+
+log = logging.getLogger("gangrun.lifecycle.supervisor")
+
+GangFactory = Callable[[GangSpec, Any, "queue.Queue[Any]"], Gang]
+Planner = Callable[[Callable[..., Any], CallOptions], tuple[Plan, RayPlacement | None]]
+
+
+def default_planner(fn: Callable[..., Any], opts: CallOptions) -> tuple[Plan, RayPlacement | None]:
+    if opts.backend == "ray":
+        from .ray_plan import plan_ray
+
+        return plan_ray(fn, opts)
+    return plan_local(fn, opts), None
+
+
+def _pump(stdout: Any, stderr: Any, mode: str) -> Any:
+    from ..output import OutputPump
+
+    return OutputPump(stdout, stderr, mode)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict[str, Any],
+        options: CallOptions,
+        *,
+        stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+        gang_factory: GangFactory = open_gang,
+        planner: Planner = default_planner,
+        pump_factory: Callable[[Any, Any, str], Any] = _pump,
+        observers: list[Observer] | None = None,
+    ) -> None:
+        self.fn, self.args, self.kwargs, self.opts = fn, args, kwargs, options
+        self.stdout = stdout if stdout is not None else sys.stdout
+        self.stderr = stderr if stderr is not None else sys.stderr
+        self.owner_pid = os.getpid()
+        self._gang_factory, self._planner, self._pump_factory = gang_factory, planner, pump_factory
+        self.outcome = Outcome()
+        self._machine = StateMachine(self.outcome, self._notify)
+        self._policy = RestartPolicy(options.max_restarts)
+        self._mlflow: MlflowObserver | None = None
+        if observers is None:
+            observers = [NoticeObserver()]
+            if options.mlflow:
+                self._mlflow = MlflowObserver()
+                observers.insert(0, self._mlflow)
+        self.observers = observers
+        self.plan: Plan | None = None
+        self.placement: RayPlacement | None = None
+        self.context: RankContext | None = None
+        self.rundir: RunDir | None = None
+        self._files: RankFiles
+        self.call = CallInfo("", getattr(fn, "__qualname__", repr(fn)), stdout=self.stdout)
+        self.call.stderr, self.call.max_restarts = self.stderr, options.max_restarts
+        self.gang: Gang | None = None
+        self.pump: Any = None
+        self._gang_open = False
+        self._devices: list[Any] = []
+        self._reservation: Any = None
+        self._events: queue.Queue[Any] | None = None
+        self._cancel_reason: str | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._released = False
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+        # what the handle shows: known once planned (run id, world) and acquired (dirs)
+        self.run_id, self.fn_name, self.world_size = "", self.call.fn_name, 0
+        self.run_dir = self.log_dir = ""
+
+    # ---------------------------------------------------------------- public face
+    @property
+    def state(self) -> State:
+        return self.outcome.state
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return None if self._mlflow is None else self._mlflow.run_id
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def log_files(self) -> dict[int, str]:
+        if self.rundir is None:
+            return {}
+        return {r: self.rundir.log(r) for r in range(self.world_size)}
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        # Wait in slices so the main thread stays responsive to KeyboardInterrupt even when it
+        # is raised by _thread.interrupt_main() rather than a real SIGINT. The event still
+        # wakes the waiter at once when the call ends.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+            if self._done.wait(max(0.0, left)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def result(self) -> list[Any]:
+        """The per-rank results (raises the call's error); only once the call is done."""
+        if self.outcome.error is not None:
+            raise self.outcome.error
+        if self.outcome.results is None:
+            raise RuntimeError(f"call {self.run_id} has not finished")
+        return self.outcome.results
+
+    def cancel(self, reason: str = "cancelled", wait: float = 30.0) -> bool:
+        """Stop every rank; True if the call was still running. Travels as a
+        :class:`CancelRequested` event on the call's queue."""
+        if self._done.is_set():
+            return False
+        with self._lock:
+            if self._cancel_reason is None:
+                self._cancel_reason = reason
+            events = self._events
+        if events is not None:
+            events.put(CancelRequested(reason))
+        self._done.wait(wait)
+        return True
+
+    def release(self) -> None:
+        """The handle is gone: remove the run directory now, or when the call ends."""
+        if os.getpid() != self.owner_pid:
+            return  # a forked child: the directory is the parent's
+        with self._lock:
+            self._released = True
+            done = self._done.is_set()
+        if done:
+            self.remove_dir()
+
+    def remove_dir(self) -> None:
+        if self.rundir is not None and os.getpid() == self.owner_pid:
+            self.rundir.remove()
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> None:
+        """Plan, acquire, launch the first attempt and start the monitor. Raises (after
+        releasing everything acquired) when the call cannot start."""
+        self._started = time.monotonic()
+        try:
+            self._acquire()
+            self._launch_attempt()
+            calls.add(self)
+            self._thread = threading.Thread(
+                target=self._monitor, name=f"gangrun-run-{self.run_id}", daemon=True
+            )
+            self._thread.start()
+        except BaseException as exc:
+            self._thread = None
+            self._end(LaunchFailed(exc))
+            raise
+
+    def _acquire(self) -> None:
+        plan, self.placement = self._planner(self.fn, self.opts)
+        self.plan = plan
+        self.call.run_id, self.call.fn_name = plan.run_id, plan.fn_name
+        self.call.world_size = plan.world_size
+        self.run_id, self.fn_name, self.world_size = plan.run_id, plan.fn_name, plan.world_size
+        self.context = rank_context(self.opts)
+        if plan.gpus_wanted:
+            from ..reservation import reserve, reserve_exact
+
+            # concurrent calls (threads, other notebooks of this user) never share a GPU
+            want = plan.gpus_wanted
+            if isinstance(want, int):
+                self._reservation = reserve(plan.devices, want, self.opts.gpu_wait)
+            else:
+                self._reservation = reserve_exact(plan.devices, self.opts.gpu_wait)
+            self._devices = list(self._reservation.devices)
+            check_gpu_type(self._devices, self.opts.gpu_type)
+            plan.gpu_name = self._devices[0].name
+        reap_stale()
+        self.rundir = create(plan.run_id, self.opts.log_dir)
+        self.run_dir, self.log_dir = self.rundir.path, self.rundir.logs
+        self.call.log_files = self.log_files()
+        self.rundir.write_context(self.context)
+        serialization.write_payload(
+            self.rundir.payload, self.fn, self.args, self.kwargs, self.opts.max_capture_bytes
+        )
+        if self.opts.mlflow:
+            self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
+
+    def _launch_attempt(self) -> None:
+        assert self.plan is not None and self.rundir is not None and self.context is not None
+        self._machine.to(State.LAUNCHING)  # the MLflow observer creates the run on the first
+        events: queue.Queue[Any] = queue.Queue()
+        with self._lock:
+            self._events = events
+            if self._cancel_reason is not None:  # cancelled while restarting
+                events.put(CancelRequested(self._cancel_reason))
+        self._files = RankFiles(
+            self.rundir, self.plan.world_size, self.run_id, self.opts.grace_period
+        )
+        tracked: dict[str, str] = {}
+        for obs in self.observers:
+            tracked.update(obs.rank_env())
+        spec = GangSpec(
+            run_id=self.plan.run_id,
+            run_dir=self.rundir.path,
+            ranks=rank_specs(
+                self.plan,
+                self.opts,
+                run_dir=self.rundir.path,
+                devices=self._devices,
+                attempt=self.call.attempt,
+                tracking_env=tracked,
+            ),
+            log_dir=self.rundir.logs,
+            output=self.opts.output,
+            grace_period=self.opts.grace_period,
+            cwd=self.context.cwd,
+            start_method=self.opts.start_method,
+        )
+        if self.placement is not None:
+            from .ray_plan import ship_env
+
+            ship_env(spec, self.opts, self.placement, tracked)
+        self.pump = self._pump_factory(self.stdout, self.stderr, self.opts.output)
+        self.gang = self._gang_factory(spec, self.pump, events)
+        self._gang_open = True
+        self.gang.start()
+        self._machine.to(State.RUNNING)
+
+    # ---------------------------------------------------------------- monitor
+    def _monitor(self) -> None:
+        try:
+            while True:
+                attempt = self._watch_attempt()
+                self.outcome.attempts.append(attempt)
+                restart = self._policy.decide(attempt.state, self.call.attempt)
+                if restart is Decision.RESTART and self._cancel_reason is None:
+                    self._machine.to(State.RESTARTING)
+                    self.call.attempt += 1
+                    assert self.rundir is not None
+                    self.rundir.clear_attempt()
+                    self._launch_attempt()
+                    continue
+                self._end(attempt)
+                return
+        except BaseException as exc:  # a bug in gangrun itself: the call still ends, cleanly
+            log.exception("the monitor of call %s failed", self.run_id)
+            self._end(exc)
+
+    def _next_event(self, events: queue.Queue[Any], wait: float | None) -> Event | None:
+        try:
+            item = events.get(timeout=wait)
+        except queue.Empty:
+            return None
+        return RankExited(item) if isinstance(item, RankExit) else item  # type: ignore[no-any-return]
+
+    def _watch_attempt(self) -> Attempt:
+        assert self.plan is not None and self.rundir is not None and self.gang is not None
+        gang, events, n = self.gang, self._events, self.plan.world_size
+        assert events is not None
+        timeout = self.opts.timeout
+        deadline = None if timeout is None else self._started + timeout
+        remaining = set(range(n))
+        exits: dict[int, RankExit] = {}
+        ending: Event | None = None
+        guard = None
+        if self.opts.hang_timeout is not None:
+            from ..hang import HangGuard
+
+            guard = HangGuard(self.rundir.path, self.rundir.logs, n, self.opts.hang_timeout)
+        try:
+            while remaining:
+                if self._cancel_reason is not None:
+                    ending = CancelRequested(self._cancel_reason)
+                    break
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    ending = DeadlineReached(float(timeout or 0))
+                    break
+                if guard is not None:
+                    wait = guard.poll_interval if wait is None else min(wait, guard.poll_interval)
+                ev = self._next_event(events, wait)
+                if ev is None:
+                    stalled = guard.check(sorted(remaining)) if guard is not None else []
+                    if guard is not None and stalled:
+                        guard.dump_stacks(gang.pids, sorted(remaining))
+                        ending = HangDetected(stalled)
+                        break
+                    continue
+                if not isinstance(ev, RankExited):
+                    ending = ev
+                    break
+                exits[ev.rank] = ev.exit
+                remaining.discard(ev.rank)
+                if self._files.exit_failed(ev.exit):
+                    ending = ev
+                    break
+        finally:
+            self._machine.to(State.STOPPING)
+            teardown_at = time.time()
+            self._close_gang(stop=bool(remaining), grace=None)
+        while True:  # exits that arrived during the teardown
+            late = self._next_event(events, 0)
+            if late is None:
+                break
+            if isinstance(late, RankExited):
+                exits.setdefault(late.rank, late.exit)
+        return self._attempt_result(ending, exits, teardown_at, guard)
+
+    def _attempt_result(
+        self, ending: Event | None, exits: dict[int, RankExit], teardown_at: float, guard: Any
+    ) -> Attempt:
+        number, n, name = self.call.attempt, self.world_size, self.fn_name
+        if isinstance(ending, CancelRequested):
+            err: DistributedError = DistributedCancelledError(
+                f"{name} was {ending.reason}; all {n} ranks were stopped.", run_id=self.run_id
+            )
+            return Attempt(number, State.CANCELLED, err)
+        if isinstance(ending, DeadlineReached):
+            err = DistributedTimeoutError(
+                f"{name} did not finish within timeout={ending.timeout:g}s; all {n} ranks "
+                "were stopped.",
+                run_id=self.run_id,
+            )
+            return Attempt(number, State.TIMED_OUT, err)
+        if isinstance(ending, HangDetected):
+            return Attempt(number, State.HUNG, guard.error(name, self.run_id, self.log_dir))
+        assert self.gang is not None
+        if isinstance(ending, RankExited):
+            err = self._files.root_cause(exits, ending.exit, teardown_at, self.gang.pids)
+            return Attempt(number, State.FAILED, err, dict(err.failures))
+        try:
+            self.outcome.results = self._files.collect()
+        except DistributedError as exc:
+            return Attempt(number, State.FAILED, exc, dict(exc.failures))
+        return Attempt(number, State.SUCCEEDED)
+
+    # ---------------------------------------------------------------- the one teardown
+    def _close_gang(self, stop: bool, grace: float | None) -> None:
+        gang, pump = self.gang, self.pump
+        if gang is None or not self._gang_open:
+            return
+        self._gang_open = False
+        try:
+            if stop:
+                gang.stop(grace)
+            else:
+                gang.reap_leftovers()
+        finally:
+            try:
+                if pump is not None:
+                    pump.close(drain_timeout=2.0 if grace is None else 0.5)
+            finally:
+                gang.close()
+
+    def _end(self, how: Attempt | LaunchFailed | BaseException) -> None:
+        """End the call, from any state: stop what runs, settle the outcome, tell the
+        observers, release what was acquired. Every step runs even if one before it raised;
+        the call is always marked done."""
+        if isinstance(how, Attempt):
+            state, error = how.state, how.error
+        else:
+            exc = how.exc if isinstance(how, LaunchFailed) else how
+            state = State.FAILED if isinstance(exc, Exception) else State.CANCELLED
+            error = exc
+        launch_failed = isinstance(how, LaunchFailed)
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("stop the gang", lambda: self._close_gang(stop=True, grace=0.0)),
+            ("release the GPUs", self._release_gpus),
+            ("settle the outcome", lambda: self._settle(state, error)),
+        ]
+        if self.rundir is not None:
+            rd = self.rundir
+            steps += [("remove the payload", lambda: _unlink(rd.payload))]
+            steps += [("clear the attempt files", rd.clear_attempt)]
+        try:
+            for what, step in steps:
+                try:
+                    step()
+                except Exception:
+                    log.exception("call %s: could not %s", self.run_id, what)
+        finally:
+            calls.discard(self)
+            with self._lock:
+                remove = launch_failed or self._released
+            if remove:
+                self.remove_dir()
+            self._done.set()
+
+    def _settle(self, state: State, error: BaseException | None) -> None:
+        self.outcome.error = error
+        if state is not State.SUCCEEDED:
+            self.outcome.results = None
+        current = self.outcome.state
+        if current.terminal:
+            return
+        if current is State.RUNNING and state is not State.FAILED:
+            self._machine.to(State.STOPPING)
+        self._machine.to(state)
+
+    def _release_gpus(self) -> None:
+        res, self._reservation = self._reservation, None
+        if res is not None:
+            res.release()
+
+    def _notify(self, state: State, outcome: Outcome) -> None:
+        notify(self.observers, state, outcome, self.call)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # never written (the start failed before the payload)
+
+
+__all__ = ["Supervisor", "GangFactory", "Planner", "default_planner"]

@@ -1,0 +1,117 @@
+"""Typed records the caller and its ranks exchange through the run directory.
+
+Rank-side safe: imports nothing of gangrun's caller side, so :mod:`gangrun.worker` (inside a
+rank) and the call's lifecycle (in the caller) share these definitions.
+
+- :class:`RankContext` is ``context.json``: what a rank adopts from its caller (``sys.path``,
+  working directory, ``argv``) and who the caller is (process identity, host, PID namespace:
+  only a run directory whose caller is provably dead on *this* host and namespace is reaped).
+- :class:`ErrorRecord` is ``error.<rank>.pkl``: how a rank ended when it did not return.
+- :class:`RankFailure` is one rank's failure as the caller reports it
+  (``DistributedError.failures``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace (``pid:[4026531836]``); ``""`` when unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """``context.json``: written once by the caller, read by every rank."""
+
+    sys_path: list[str]
+    cwd: str
+    argv: list[str] = field(default_factory=list)
+    caller: str | None = None  # platform.process_identity of the caller: "pid:start-ticks"
+    host: str = ""
+    pid_ns: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankContext:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("context.json is not an object")
+        return cls(
+            sys_path=[str(p) for p in raw.get("sys_path") or []],
+            cwd=str(raw.get("cwd") or ""),
+            argv=[str(a) for a in raw.get("argv") or []],
+            caller=raw.get("caller"),
+            host=str(raw.get("host") or ""),
+            pid_ns=str(raw.get("pid_ns") or ""),
+        )
+
+    def same_machine(self) -> bool:
+        """The caller ran on this host, in this PID namespace (its pid means something here)."""
+        return self.host == socket.gethostname() and self.pid_ns == pid_namespace() != ""
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """``error.<rank>.pkl``: the rank raised (or called ``sys.exit``) instead of returning."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+    time: float
+    pid: int | None = None
+    exitcode: int | None = None  # set for SystemExit: the code the rank exits with
+    exc: bytes | None = None  # the pickled exception, when it can be rebuilt
+
+    @property
+    def is_clean_exit(self) -> bool:
+        """``sys.exit(0)``/``sys.exit()``: the rank ended on purpose without returning."""
+        return self.exc_type == "SystemExit" and self.exitcode == 0
+
+    @classmethod
+    def coerce(cls, obj: Any) -> ErrorRecord | None:
+        """An :class:`ErrorRecord` from what an error file held (older writers: a dict)."""
+        if isinstance(obj, cls):
+            return obj
+        if not isinstance(obj, dict):
+            return None
+        try:
+            return cls(
+                rank=int(obj.get("rank", -1)),
+                exc_type=str(obj.get("exc_type", "")),
+                message=str(obj.get("message", "")),
+                traceback=str(obj.get("traceback", "")),
+                time=float(obj.get("time", 0.0)),
+                pid=obj.get("pid"),
+                exitcode=obj.get("exitcode"),
+                exc=obj.get("exc"),
+            )
+        except (TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's failure, as ``DistributedError.failures[rank]`` reports it."""
+
+    rank: int
+    exitcode: int | None  # negative: killed by signal -exitcode
+    signal: str | None  # "SIGKILL", "SIGSEGV"... when it died by a signal
+    exc_type: str | None  # the exception it raised ("SystemExit" for sys.exit)
+    message: str  # the exception's message, or what is known of the exit
+    traceback: str | None  # the rank's formatted traceback when it raised
+    time: float = 0.0  # when it failed (time.time())
+
+
+__all__ = ["RankContext", "ErrorRecord", "RankFailure", "pid_namespace"]

@@ -1,0 +1,243 @@
+"""Regression tests of the reliability issue's items that live in the call's lifecycle
+(items 2, 4, 5, 8, 9, 11, 12, 13): each failed on the main branch before the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import rel_funcs
+
+import gangrun
+from gangrun import DistributedError, LaunchError
+from gangrun.platform import process_identity
+
+HERE = Path(__file__).resolve().parent
+
+
+def _fn(func, **kw):
+    kw.setdefault("processes", 2)
+    kw.setdefault("mlflow", False)
+    kw.setdefault("timeout", 90)
+    return gangrun.distributed(**kw)(func)
+
+
+def _run_dirs(tmp: Path) -> list[Path]:
+    return sorted(p for p in tmp.iterdir() if p.name.startswith("gangrun-"))
+
+
+def _dead_identity() -> str:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = process_identity(p.pid)
+    p.wait(30)
+    return ident or f"{p.pid}:1"
+
+
+def _plant(tmp: Path, name: str, **ctx) -> Path:
+    d = tmp / name
+    d.mkdir(mode=0o700)
+    (d / "context.json").write_text(json.dumps({"sys_path": [], "cwd": "/", **ctx}))
+    return d
+
+
+def test_item2_stale_reaping_only_for_this_host_and_pid_namespace(script, tmp_path):
+    """Item 2: a run directory whose caller lived in another PID namespace (another
+    container) or on another host sharing the temp dir is never reaped; one provably dead
+    here is. The other namespace/host is simulated by writing their ids into context.json."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    dead = _dead_identity()
+    host = socket.gethostname()
+    ns = os.readlink("/proc/self/ns/pid")
+    other_ns = _plant(tmp, "gangrun-otherns-x", caller=dead, host=host, pid_ns="pid:[1]")
+    other_host = _plant(tmp, "gangrun-otherhost-x", caller=dead, host="elsewhere", pid_ns=ns)
+    here = _plant(tmp, "gangrun-deadhere-x", caller=dead, host=host, pid_ns=ns)
+    proc = script(
+        f"""
+        import sys; sys.path.insert(0, {str(HERE)!r})
+        import gangrun, rel_funcs
+        f = gangrun.distributed(processes=1, mlflow=False, timeout=60)(rel_funcs.tagged)
+        print("RESULT", [r["tag"] for r in f.distributed("a", 0.0)])
+        """,
+        env={"TMPDIR": str(tmp)},
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "RESULT ['a']" in out
+    assert other_ns.exists(), "a live call of another PID namespace was reaped"
+    assert other_host.exists(), "a live call of another host was reaped"
+    assert not here.exists()
+
+
+def test_item2_monitor_failure_still_finishes_the_call(monkeypatch):
+    """Item 2: an exception while tearing the call down (clearing the attempt files raises)
+    must not leave the call unfinished: every exit path settles the outcome."""
+    real = os.listdir
+
+    def failing_listdir(path="."):
+        if isinstance(path, str) and os.path.exists(os.path.join(path, "context.json")):
+            raise PermissionError(13, "injected failure", path)
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", failing_listdir)
+    h = _fn(rel_funcs.tagged).submit("t", 0.0)
+    res = h.result(timeout=60)  # before the fix: TimeoutError, the monitor thread had died
+    assert [r["tag"] for r in res] == ["t", "t"]
+    assert h.done()
+
+
+def test_item4_forked_child_exits_at_once_and_leaves_the_call_alone(script):
+    """Item 4: a forked child of the caller exiting with sys.exit(0) took 20 s (both atexit
+    hooks cancelled the parent's calls from the child); now it exits at once and the parent's
+    call runs on to its result."""
+    proc = script(
+        f"""
+        import os, sys, time
+        sys.path.insert(0, {str(HERE)!r})
+        import gangrun, rel_funcs
+        f = gangrun.distributed(processes=2, mlflow=False, timeout=60)(rel_funcs.tagged)
+        h = f.submit("p", 2.0)
+        t = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        print("CHILD", round(time.monotonic() - t, 2))
+        print("RESULT", [r["tag"] for r in h.result(timeout=60)])
+        """
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    child = float(out.split("CHILD ")[1].split()[0])
+    assert child < 3.0, f"the forked child took {child}s to exit"
+    assert "RESULT ['p', 'p']" in out
+
+
+def test_item5_error_record_is_authoritative_with_sigchld_ignored(script):
+    """Item 5: with SIGCHLD ignored every exit status reads 0; rank 1 raised and the call
+    returned [0, None]. The error record decides: the call fails, blaming rank 1."""
+    proc = script(
+        f"""
+        import signal, sys
+        sys.path.insert(0, {str(HERE)!r})
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        import gangrun, rel_funcs
+        f = gangrun.distributed(processes=2, mlflow=False, timeout=60, start_method="spawn")(
+            rel_funcs.raise_on_rank1
+        )
+        try:
+            print("RESULT", f.distributed())
+        except gangrun.DistributedError as e:
+            print("ERR", e.rank, e.exc_type, sorted(e.failures))
+        """
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "ERR 1 ValueError [1]" in out, out
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_item5_no_result_and_no_error_is_a_failure(start_method):
+    """Item 5: a rank that ends with neither a result nor an error record (os._exit(0))
+    is a failure, never a ``None`` result."""
+    with pytest.raises(DistributedError) as ei:
+        _fn(rel_funcs.os_exit0_on_rank1, start_method=start_method).distributed()
+    assert ei.value.rank == 1 and ei.value.exitcode == 0
+    assert "exited with code 0 before returning" in str(ei.value)
+    assert set(ei.value.failures) == {1}
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_item8_env_pythonpath_is_added_first(tmp_path, start_method):
+    """Item 8: env={"PYTHONPATH": dir} was ignored (the caller's sys.path replaced it): the
+    ranks get the caller's sys.path plus PYTHONPATH's entries, those first."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "lc_only_here.py").write_text("VALUE = 42\n")
+    res = _fn(
+        rel_funcs.import_by_name, env={"PYTHONPATH": str(mods)}, start_method=start_method
+    ).distributed("lc_only_here")
+    assert [r["value"] for r in res] == [42, 42]
+    assert all(r["path"][0] == str(mods) for r in res)
+
+
+def test_item9_early_exit_zero_is_the_root_cause():
+    """Item 9: rank 1 leaves with sys.exit(0) while rank 0 waits for it in all_reduce: the
+    error blamed rank 0's "Connection reset by peer". Rank 1 is the root cause now."""
+    pytest.importorskip("torch")
+    with pytest.raises(DistributedError) as ei:
+        _fn(rel_funcs.exit0_during_all_reduce).distributed()
+    e = ei.value
+    assert e.rank == 1, str(e)
+    assert "Rank 1" in str(e).splitlines()[0]
+    assert "exited with code 0 before returning" in str(e).splitlines()[0]
+    assert 1 in e.failures and e.failures[1].exitcode == 0
+
+
+def test_item11_deleted_working_directory(script, tmp_path):
+    """Item 11: with the working directory deleted, a call raised a raw FileNotFoundError
+    and leaked a run directory; now LaunchError says so and nothing is left behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    proc = script(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(HERE)!r})
+        import gangrun, rel_funcs
+        os.mkdir("gone"); os.chdir("gone"); os.rmdir(os.path.abspath("."))
+        f = gangrun.distributed(processes=2, mlflow=False, timeout=60)(rel_funcs.tagged)
+        try:
+            f.distributed("x", 0.0)
+        except gangrun.LaunchError as e:
+            print("LAUNCH", e)
+        """,
+        env={"TMPDIR": str(tmp)},
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "LAUNCH" in out and "working directory" in out
+    assert _run_dirs(tmp) == []
+
+
+def test_item12_pathlib_path_in_sys_path(monkeypatch, tmp_path):
+    """Item 12: a pathlib.Path in sys.path raised a raw TypeError ("not JSON serializable")
+    and leaked a run directory with a partial context.json."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(sys, "path", [*sys.path, tmp_path / "extra"])
+    h = _fn(rel_funcs.tagged).submit("pp", 0.0)
+    assert [r["tag"] for r in h.result(timeout=60)] == ["pp", "pp"]
+    del h
+    import gc
+
+    gc.collect()
+    assert _run_dirs(tmp) == []
+
+
+def test_item12_any_startup_failure_cleans_up(monkeypatch, tmp_path):
+    """Item 12: any start-up failure (here: the payload cannot be written) leaves nothing."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with pytest.raises(LaunchError):
+        _fn(rel_funcs.tagged, max_capture_bytes=16).distributed("x" * 1000, 0.0)
+    assert _run_dirs(tmp) == []
+
+
+def test_item13_exception_whose_str_raises():
+    """Item 13: an exception whose __str__ raises was reported as "exited with code 70
+    without a Python exception"; now its type and traceback, with a note for the message."""
+    with pytest.raises(DistributedError) as ei:
+        _fn(rel_funcs.raise_unprintable, processes=1).distributed()
+    e = ei.value
+    assert e.exc_type == "rel_funcs.UnprintableError"
+    assert "could not be rendered" in str(e).splitlines()[0]
+    assert "raise_unprintable" in (e.traceback or "")
+    assert e.exitcode == 1
