@@ -48,6 +48,8 @@ class Options:
     # GPUs busy with another call of this user: wait up to this many seconds for them
     # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
     gpu_wait: float | None = 0.0
+    # In a Jupyter kernel: the live panel of each call (off with False or output="none").
+    progress: bool = True
 
     def validate(self) -> Options:
         def _int(name: str, v: Any, low: int) -> None:
@@ -182,6 +184,11 @@ class RunHandle(Generic[R]):
         except FileNotFoundError:
             return ""
 
+    def _repr_html_(self) -> str:
+        from .notebook.html import handle_html
+
+        return handle_html(self)
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"<RunHandle {self.run_id} {self._run.fn_name} world_size={self.world_size} {state}>"
@@ -197,6 +204,9 @@ class DistributedFunction(Generic[P, R]):
         self._fn = fn
         self._options = options
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        from .notebook.session import on_decorate
+
+        on_decorate(options)  # in a kernel: warm the fork server for the first call
 
     @property
     def settings(self) -> Options:
@@ -207,8 +217,11 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
+        from .notebook import checks, session
         from .run import Run
 
+        checks.refuse_nested()  # inside a rank: fail there, start no inner gang
+        checks.bind_arguments(self._fn, args, kwargs)  # a misspelled argument: no rank starts
         opts = self._options.validate()
         run: Any
         if opts.backend == "ray":
@@ -217,6 +230,7 @@ class DistributedFunction(Generic[P, R]):
             run = RayRun(self._fn, args, kwargs, opts)
         else:
             run = Run(self._fn, args, kwargs, opts)
+        session.attach(run, opts)  # in a kernel: output to this cell, the live panel
         try:
             run.start()
             return RunHandle(run)
@@ -244,9 +258,9 @@ class DistributedFunction(Generic[P, R]):
 
     def options(self, **overrides: Any) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. ``train.options(processes=4).distributed()``."""
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(Options)}
-        if unknown:
-            raise LaunchError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        from .notebook.checks import unknown_options
+
+        unknown_options(overrides, (f.name for f in dataclasses.fields(Options)))
         if "processes" in overrides and "gpus" not in overrides:
             overrides["gpus"] = None
         if "gpus" in overrides and "processes" not in overrides:
@@ -286,9 +300,9 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     ``@distributed`` and ``@distributed(...)`` both work; see :class:`Options` for the
     keyword arguments. Bad settings raise :class:`gangrun.LaunchError` right here.
     """
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(Options)}
-    if unknown:
-        raise LaunchError(f"unknown @distributed argument(s): {', '.join(sorted(unknown))}")
+    from .notebook.checks import unknown_options
+
+    unknown_options(kwargs, (f.name for f in dataclasses.fields(Options)), "@distributed argument(s)")
     if kwargs.get("env") is None:
         kwargs.pop("env", None)
     opts = Options(**kwargs).validate()

@@ -48,6 +48,11 @@ class DistributedError(RuntimeError):
     def signal(self) -> str | None:
         return signal_name(self.exitcode)
 
+    def _repr_html_(self) -> str:
+        from .notebook.html import error_html
+
+        return error_html(self)
+
     def __reduce__(self):  # keep attributes across pickling
         return (
             _rebuild,

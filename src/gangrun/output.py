@@ -49,7 +49,8 @@ class _Target:
 class OutputPump:
     """Forward rank output to the caller and to per-rank log files until every pipe closes."""
 
-    def __init__(self, stdout: Any, stderr: Any, mode: str = "all") -> None:
+    def __init__(self, stdout: Any, stderr: Any, mode: str = "all", on_line: Any = None) -> None:
+        self._on_line = on_line  # on_line(rank, text): the newest line of each read (a panel)
         self._targets = {"out": _Target(stdout), "err": _Target(stderr)}
         self._mode = mode
         self._sel = selectors.DefaultSelector()
@@ -175,11 +176,13 @@ class OutputPump:
     def _feed(self, s: _Stream, text: str) -> None:
         out: list[str] = []
         tgt = s.target
+        last = ""
         for piece in _SPLIT.split(text):
             if not piece:
                 continue
             if piece == "\n" or piece == "\r\n":
                 self.lines += 1
+                last = s.buf or last
                 if tgt is not None:
                     out.append(self._line_prefix(s, tgt) + ("" if s.shown else s.prefix + s.buf))
                     out.append("\n")
@@ -201,6 +204,8 @@ class OutputPump:
             out.append(self._open_line(s, tgt))
         if out and tgt is not None:
             self._write(tgt, "".join(out))
+        if self._on_line is not None and (last or s.cr_line):
+            self._on_line(s.rank, s.buf if s.cr_line and s.buf else last)
 
     def _line_prefix(self, s: _Stream, tgt: _Target) -> str:
         """What to write before a line of ``s``: close another stream's open line, or

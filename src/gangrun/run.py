@@ -28,6 +28,7 @@ from .errors import (
     signal_name,
 )
 from .launch import GangSpec, RankExit, RankSpec
+from .notebook.source import with_sources
 from .platform import cpu_count, process_identity
 
 _CANCEL = -1
@@ -134,6 +135,11 @@ class Run:
         self._started = 0.0
         self._released = False
         self._reservation: Any = None
+        self.progress: Any = None  # notebook.state.CallState: told of each transition
+
+    def _tell(self, event: str, *args: Any) -> None:
+        if self.progress is not None:
+            getattr(self.progress, event)(*args)
 
     # ------------------------------------------------------------------ launch
     def _resolve_world(self) -> None:
@@ -271,11 +277,12 @@ class Run:
         except BaseException:
             self._release_gpus()
             raise
+        self._tell("starting", self.world_size)
         self._make_dirs()
         try:
             serialization.write_payload(
                 os.path.join(self.run_dir, "payload.pkl"),
-                self.fn,
+                with_sources(self.fn),
                 self.args,
                 self.kwargs,
                 self.opts.max_capture_bytes,
@@ -284,6 +291,9 @@ class Run:
                 from .tracking import Tracker
 
                 self.tracker = Tracker.start(self.tracking_info(), self.stdout)
+                t = self.tracker
+                if t is not None:
+                    self._tell("tracking", t.run_id, t.tracking_uri, t.experiment_id)
             self._launch_attempt()
         except BaseException as exc:
             # e.g. KeyboardInterrupt in the middle of starting the ranks: stop what started
@@ -296,6 +306,7 @@ class Run:
                 except Exception:
                     pass
             self._remove_dir()
+            self._tell("ended", "FAILED" if isinstance(exc, Exception) else "KILLED", exc)
             raise
         with _active_lock:
             _active.add(self)
@@ -332,9 +343,11 @@ class Run:
     def _launch_attempt(self) -> None:
         from .output import OutputPump
 
-        self.pump = OutputPump(self.stdout, self.stderr, self.opts.output)
+        on_line = None if self.progress is None else self.progress.rank_line
+        self.pump = OutputPump(self.stdout, self.stderr, self.opts.output, on_line)
         self.gang = self._launcher()(self._gang_spec(), self.pump)
         self.gang.start()
+        self._tell("attempt_started", self.attempt)
 
     # ------------------------------------------------------------------ monitor
     def _monitor(self) -> None:
@@ -411,6 +424,7 @@ class Run:
                     reason = "cancel"
                     break
                 exits[ev.rank] = ev
+                self._tell("rank_exit", ev.rank, ev.exitcode)
                 remaining.discard(ev.rank)
                 if ev.exitcode != 0:
                     first_failure = ev
@@ -427,8 +441,9 @@ class Run:
             ev = gang.next_exit(0)
             if ev is None:
                 break
-            if ev.rank != _CANCEL:
-                exits.setdefault(ev.rank, ev)
+            if ev.rank != _CANCEL and ev.rank not in exits:
+                exits[ev.rank] = ev
+                self._tell("rank_exit", ev.rank, ev.exitcode, True)
         if reason == "timeout":
             return DistributedTimeoutError(
                 f"{self.fn_name} did not finish within timeout={timeout:g}s; all "
@@ -560,6 +575,7 @@ class Run:
         except Exception as exc:
             print(f"gangrun: could not finish the MLflow run: {exc}", file=self.stderr)
         finally:
+            self._tell("ended", status, self._error)  # before done: the panel's final state
             try:
                 os.unlink(os.path.join(self.run_dir, "payload.pkl"))
             except OSError:
