@@ -302,7 +302,9 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     """
     from .notebook.checks import unknown_options
 
-    unknown_options(kwargs, (f.name for f in dataclasses.fields(Options)), "@distributed argument(s)")
+    unknown_options(
+        kwargs, (f.name for f in dataclasses.fields(Options)), "@distributed argument(s)"
+    )
     if kwargs.get("env") is None:
         kwargs.pop("env", None)
     opts = Options(**kwargs).validate()
