@@ -56,7 +56,7 @@ def _reachable(fn: Any) -> Iterator[types.FunctionType]:
             if _by_value(obj):
                 todo.extend(vars(obj).values())
         elif isinstance(obj, types.FunctionType):
-            if not _by_value(obj) and obj is not root:
+            if not _by_value(obj):
                 continue
             yield obj
             g = obj.__globals__
