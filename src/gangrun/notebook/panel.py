@@ -110,7 +110,9 @@ class Panel:
 
     # -- the panel's thread ----------------------------------------------------------------
     def _loop(self) -> None:
-        last_draw = last_metrics = 0.0
+        # on_start just drew: a short call is drawn twice only (start, end), and the first
+        # redraw never competes with the ranks' start for the CPU
+        last_draw = last_metrics = time.monotonic()
         try:
             while not self._stop.is_set():
                 self._dirty.wait(self.refresh_s)
