@@ -183,13 +183,10 @@ def _failure_block(f: Any) -> str:
     code = getattr(f, "exitcode", None)
     sig = getattr(f, "signal", None)
     what = getattr(f, "exc_type", None) or (f"signal {sig}" if sig else f"exit code {code}")
-    msg = getattr(f, "message", "") or ""
-    tb = getattr(f, "traceback", None) or ""
-    return (
-        f"<summary>rank {escape(str(rank))}: {escape(str(what))}"
-        f"{': ' + escape(str(msg).splitlines()[0]) if msg.strip() else ''}</summary>"
-        f'<pre style="white-space:pre-wrap">{escape(tb)}</pre>'
-    )
+    msg = str(getattr(f, "message", "") or "").strip()
+    head = f"rank {rank}: {what}" + (f": {msg.splitlines()[0]}" if msg else "")
+    tb = escape(getattr(f, "traceback", None) or "")
+    return f'<summary>{escape(head)}</summary><pre style="white-space:pre-wrap">{tb}</pre>'
 
 
 def error_html(err: BaseException) -> str:
