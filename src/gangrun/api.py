@@ -94,6 +94,11 @@ class RunHandle(Generic[R]):
         except FileNotFoundError:
             return ""
 
+    def _repr_html_(self) -> str:
+        from .notebook.html import handle_html
+
+        return handle_html(self)
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"<RunHandle {self.run_id} {self._run.fn_name} world_size={self.world_size} {state}>"
@@ -120,6 +125,12 @@ class DistributedFunction(Generic[P, R]):
             explicit = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         self._explicit: dict[str, Any] = dict(explicit or {})
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        from .notebook.session import on_decorate
+
+        try:
+            on_decorate(self._options)  # in a kernel: warm the fork server for the first call
+        except LaunchError:  # a bad GANGRUN_* variable: reported when the function is called
+            pass
 
     @property
     def _options(self) -> Options:
@@ -136,9 +147,13 @@ class DistributedFunction(Generic[P, R]):
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
         from .lifecycle import Supervisor
+        from .notebook import checks, session
 
+        checks.refuse_nested()  # inside a rank: fail there, start no inner gang
+        checks.bind_arguments(self._fn, args, kwargs)  # a misspelled argument: no rank starts
         opts = self._options.validate()
         run = Supervisor(self._fn, args, kwargs, opts)
+        session.attach(run, opts)  # in a kernel: output to this cell, the live panel
         try:
             run.start()
             return RunHandle(run)

@@ -57,6 +57,7 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "backend": (("--backend",), _BACKENDS, "this node (default), or a Ray cluster"),
     "address": (("--address",), "ADDR", "Ray cluster address (backend ray; default RAY_ADDRESS)"),
     "log_system_metrics": (("--system-metrics",), _ON_OFF, "log CPU/GPU/memory metrics to the MLflow run (default: off)"),
+    "progress": (("--progress",), _ON_OFF, "in a Jupyter kernel: the live panel of each call (default: on)"),
     "hang_timeout": (("--hang-timeout",), "DURATION", "stop when a rank makes no progress this long (default: off)"),
     "experiment_name": (("--experiment-name",), "NAME", "put the MLflow run in this experiment (created if missing)"),
     "run_name": (("--run-name",), "NAME", "name of the MLflow run (default: the script's name)"),

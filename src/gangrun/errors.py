@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import signal as _signal
-
+from .platform import signal_name
 from .records import RankFailure
 
 
@@ -53,6 +52,11 @@ class DistributedError(RuntimeError):
     @property
     def signal(self) -> str | None:
         return signal_name(self.exitcode)
+
+    def _repr_html_(self) -> str:
+        from .notebook.html import error_html
+
+        return error_html(self)
 
     def __reduce__(self):  # keep attributes across pickling
         return (
@@ -111,16 +115,6 @@ class DistributedHangError(DistributedError, TimeoutError):
     def __reduce__(self):
         fn, (cls, msg, kw) = super().__reduce__()
         return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks))
-
-
-def signal_name(exitcode: int | None) -> str | None:
-    """``-9`` -> ``"SIGKILL"``; ``None`` for normal exit codes."""
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return _signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 __all__ = [

@@ -73,6 +73,8 @@ class Options:
     # GPUs busy with another call of this user: wait up to this many seconds for them
     # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
     gpu_wait: float | None = 0.0
+    # In a Jupyter kernel: the live panel of each call (off with False or output="none").
+    progress: bool = True
 
     def validate(self) -> Options:
         def _int(name: str, v: Any, low: int) -> None:

@@ -64,7 +64,8 @@ class _Target:
 class OutputPump:
     """Forward rank output to the caller and to per-rank log files until every pipe closes."""
 
-    def __init__(self, stdout: Any, stderr: Any, mode: str = "all") -> None:
+    def __init__(self, stdout: Any, stderr: Any, mode: str = "all", on_line: Any = None) -> None:
+        self._on_line = on_line  # on_line(rank, text): the newest line of each read (a panel)
         self._targets = {"out": _Target(stdout), "err": _Target(stderr)}
         self._mode = mode
         self._sel = selectors.DefaultSelector()
@@ -204,6 +205,7 @@ class OutputPump:
             return
         s.received += len(text)
         out: list[str] = []
+        last = ""  # the newest complete line (for on_line)
         if not s.written and tgt.owner is None and "\r" not in text:
             # the common case, plain complete lines: prefixed all at once
             nl = text.rfind("\n")
@@ -211,6 +213,7 @@ class OutputPump:
                 body = "".join(s.pending) + text[:nl] if s.npending else text[:nl]
                 self.lines += body.count("\n") + 1
                 out.append(s.prefix + body.replace("\n", "\n" + s.prefix) + "\n")
+                last = body[body.rfind("\n") + 1 :]
                 self._new_line(s, cr=False)
                 text = text[nl + 1 :]
         for piece in _SPLIT.split(text):
@@ -218,6 +221,8 @@ class OutputPump:
                 continue
             if piece == "\n" or piece == "\r\n":
                 self.lines += 1
+                if self._on_line is not None:
+                    last = "".join(s.pending) or last
                 out.append(self._emit(s, tgt, "\n"))
             elif piece == "\r":  # a new progress frame replaces the line (inlined _new_line)
                 s.pending.clear()
@@ -229,6 +234,7 @@ class OutputPump:
                     s.since = time.monotonic()
                 s.pending.append(piece)
                 s.npending += len(piece)
+        frame = "".join(s.pending) if self._on_line is not None and s.cr_line else ""
         # A progress frame is drawn while no other rank's bar holds the open line: two bars
         # cannot share the one line a text stream can rewrite, so the other rank's bar is
         # shown when its line ends (or once the line is free) instead of one line per frame.
@@ -240,6 +246,8 @@ class OutputPump:
             out.append(self._emit(s, tgt, ""))
         if out:
             self._write(tgt, "".join(out))
+        if self._on_line is not None and (frame or last):
+            self._on_line(s.rank, frame or last)
 
     @staticmethod
     def _new_line(s: _Stream, cr: bool) -> None:

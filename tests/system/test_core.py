@@ -277,7 +277,11 @@ def test_import_is_lazy(script):
         import gangrun
         from gangrun import distributed
         dt = time.perf_counter() - t
+        @distributed(processes=2)
+        def f():
+            pass
         heavy = [m for m in ("torch", "mlflow", "ray", "deepspeed", "numpy") if m in sys.modules]
+        heavy += [m for m in ("IPython", "ipykernel", "difflib") if m in sys.modules]
         print("HEAVY", heavy, "TIME", dt)
         """
     )

@@ -79,6 +79,7 @@ FLAG_CASES = [
     (["--system-metrics"], "log_system_metrics", True),
     (["--no-system-metrics"], "log_system_metrics", False),
     (["--hang-timeout", "2m"], "hang_timeout", 120.0),
+    (["--no-progress"], "progress", False),
     (["--gpu-wait", "10m"], "gpu_wait", 600.0),
     (["--gpu-wait", "none"], "gpu_wait", None),
     (["--experiment-name", "exp"], "experiment_name", "exp"),

@@ -14,6 +14,7 @@ from gangrun import defaults as d
 # One value per option, as text for GANGRUN_<OPTION>, and the value it must become. Every
 # field of Options must be here (see test_every_option_has_an_env_case).
 ENV_CASES = {
+    "progress": ("0", False),
     "gpus": ("0,3", [0, 3]),
     "processes": ("3", 3),
     "gpu_type": ("H100", "H100"),

@@ -29,6 +29,9 @@ LAYERS: dict[str, int] = {
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API
     "gangrun.notebook": API,  # the notebook panel, output routing, pre-launch checks
+    "gangrun.notebook.source": PLATFORM,  # travels with the payload; read inside ranks
+    "gangrun.notebook.html": PLATFORM,  # pure rendering (errors render themselves with it)
+    "gangrun.notebook.state": PLATFORM,  # the panel's snapshot records
     "gangrun.lifecycle": LIFECYCLE,
     "gangrun.launch": LAUNCH,
     # the rank side: runs inside rank processes (the fork server's child becomes a rank)

@@ -121,7 +121,7 @@ def call(*scripts: Script, n: int = 2, observers=None, **opts) -> Supervisor:
         stderr=io.StringIO(),
         gang_factory=factory,  # type: ignore[arg-type]
         planner=lambda f, opts: (Plan("fakerun", "fn", n), None),
-        pump_factory=lambda out, err, mode: FakePump(),
+        pump_factory=lambda *a: FakePump(),
         observers=observers,
     )
     sup.gangs = attempts  # type: ignore[attr-defined]

@@ -43,6 +43,17 @@ class Observer:
         """Variables every rank gets (asked before each launch)."""
         return {}
 
+    def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
+        """Rank ``rank`` ended (``stopped``: during the teardown, i.e. it was stopped)."""
+
+    def on_rank_line(self, rank: int, text: str) -> None:
+        """The newest line (or progress frame) a rank printed. Only called for observers that
+        override it: the output pump then reports lines (once per read, not per line)."""
+
+    @property
+    def wants_lines(self) -> bool:
+        return type(self).on_rank_line is not Observer.on_rank_line
+
 
 class MlflowObserver(Observer):
     """One MLflow run per call: created when the first launch begins (its link printed),
@@ -89,6 +100,15 @@ class NoticeObserver(Observer):
             )
 
 
+def tell(observers: list[Observer], hook: str, *args: Any) -> None:
+    """Call ``hook`` on every observer; one that raises is logged and skipped."""
+    for obs in observers:
+        try:
+            getattr(obs, hook)(*args)
+        except Exception:
+            log.exception("observer %r failed in %s", obs, hook)
+
+
 def notify(observers: list[Observer], state: State, outcome: Outcome, call: CallInfo) -> None:
     """Tell every observer; one that raises is logged and skipped: an observer never changes
     how the call ends (MLflow's own start-up problems are a printed note of the tracker's)."""
@@ -99,4 +119,4 @@ def notify(observers: list[Observer], state: State, outcome: Outcome, call: Call
             log.exception("observer %r failed on %s", obs, state.value)
 
 
-__all__ = ["CallInfo", "Observer", "MlflowObserver", "NoticeObserver", "notify"]
+__all__ = ["CallInfo", "Observer", "MlflowObserver", "NoticeObserver", "notify", "tell"]

@@ -26,7 +26,7 @@ from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
 from . import calls
 from .collect import RankFiles
-from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify
+from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
 from .plan import (
     CallOptions,
     Plan,
@@ -64,10 +64,10 @@ def default_planner(fn: Callable[..., Any], opts: CallOptions) -> tuple[Plan, Ra
     return plan_local(fn, opts), None
 
 
-def _pump(stdout: Any, stderr: Any, mode: str) -> Any:
+def _pump(stdout: Any, stderr: Any, mode: str, on_line: Any = None) -> Any:
     from ..output import OutputPump
 
-    return OutputPump(stdout, stderr, mode)
+    return OutputPump(stdout, stderr, mode, on_line)
 
 
 class Supervisor:
@@ -82,7 +82,7 @@ class Supervisor:
         stderr: IO[str] | None = None,
         gang_factory: GangFactory = open_gang,
         planner: Planner = default_planner,
-        pump_factory: Callable[[Any, Any, str], Any] = _pump,
+        pump_factory: Callable[..., Any] = _pump,
         observers: list[Observer] | None = None,
     ) -> None:
         self.fn, self.args, self.kwargs, self.opts = fn, args, kwargs, options
@@ -127,6 +127,11 @@ class Supervisor:
     @property
     def state(self) -> State:
         return self.outcome.state
+
+    @property
+    def tracker(self) -> Any:
+        """The MLflow run's tracker (``gangrun.tracking.Tracker``), once created."""
+        return None if self._mlflow is None else self._mlflow.tracker
 
     @property
     def mlflow_run_id(self) -> str | None:
@@ -234,8 +239,14 @@ class Supervisor:
         self.run_dir, self.log_dir = self.rundir.path, self.rundir.logs
         self.call.log_files = self.log_files()
         self.rundir.write_context(self.context)
+        from ..notebook.source import with_sources  # notebook code: its source travels along
+
         serialization.write_payload(
-            self.rundir.payload, self.fn, self.args, self.kwargs, self.opts.max_capture_bytes
+            self.rundir.payload,
+            with_sources(self.fn),
+            self.args,
+            self.kwargs,
+            self.opts.max_capture_bytes,
         )
         if self.opts.mlflow:
             self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
@@ -275,7 +286,14 @@ class Supervisor:
             from .ray_plan import ship_env
 
             ship_env(spec, self.opts, self.placement, tracked)
-        self.pump = self._pump_factory(self.stdout, self.stderr, self.opts.output)
+        listeners = [o for o in self.observers if o.wants_lines]
+        on_line = None
+        if listeners:
+
+            def on_line(rank: int, text: str) -> None:
+                tell(listeners, "on_rank_line", rank, text)
+
+        self.pump = self._pump_factory(self.stdout, self.stderr, self.opts.output, on_line)
         self.gang = self._gang_factory(spec, self.pump, events)
         self._gang_open = True
         self.gang.start()
@@ -345,6 +363,7 @@ class Supervisor:
                     ending = ev
                     break
                 exits[ev.rank] = ev.exit
+                tell(self.observers, "on_rank_exit", ev.rank, ev.exit.exitcode, False)
                 remaining.discard(ev.rank)
                 if self._files.exit_failed(ev.exit):
                     ending = ev
@@ -357,8 +376,9 @@ class Supervisor:
             late = self._next_event(events, 0)
             if late is None:
                 break
-            if isinstance(late, RankExited):
-                exits.setdefault(late.rank, late.exit)
+            if isinstance(late, RankExited) and late.rank not in exits:
+                exits[late.rank] = late.exit
+                tell(self.observers, "on_rank_exit", late.rank, late.exit.exitcode, True)
         return self._attempt_result(ending, exits, teardown_at, guard)
 
     def _attempt_result(

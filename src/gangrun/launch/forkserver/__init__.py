@@ -22,6 +22,7 @@ registry), ``spawner`` (the :class:`~gangrun.launch.Spawner`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from .client import registry, startup_signature, usable
@@ -39,9 +40,16 @@ def server_info() -> dict[str, Any] | None:
         return None
 
 
+def prewarm(pool: int = 2) -> None:
+    """Start the fork server for this process's start-up environment now (a notebook does
+    this when a function is decorated), so the first call finds it warm."""
+    server = registry.lease(startup_signature(dict(os.environ)), pool)
+    registry.release(server)
+
+
 def discard_server() -> None:
     """Stop every idle or running fork server: the next launch starts a new one."""
     registry.close_all(0.5)
 
 
-__all__ = ["server_info", "discard_server", "registry", "startup_signature", "usable"]
+__all__ = ["server_info", "prewarm", "discard_server", "registry", "startup_signature", "usable"]

@@ -1,0 +1,145 @@
+"""The live panel of a call made from a Jupyter kernel: an observer of the call's lifecycle.
+
+Drawn with IPython's rich display (``display(..., display_id=...)`` then updates in place: no
+ipywidgets, so JupyterLab, classic Notebook, VS Code and saved notebooks all show it). The
+observer methods only store the snapshot; the panel's own thread redraws at most every
+``refresh_s`` and reads the call's MLflow metrics at most every ``metrics_s``, so nothing of
+it runs on the training path. ``on_end`` draws the final state synchronously, before the call
+is reported done, so the saved notebook holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from .html import MAX_SERIES, Series, render_panel
+from .routing import parent_of
+from .state import CallSnapshot
+
+log = logging.getLogger("gangrun.notebook")
+
+MAX_POINTS = 500  # per metric drawn (the newest)
+
+
+def fetch_metrics(tracking_uri: str | None, run_id: str) -> dict[str, list[tuple[float, float]]]:
+    """The run's metric histories (at most ``MAX_SERIES`` metrics), ``{}`` when unreadable."""
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking_uri)
+        names = sorted(client.get_run(run_id).data.metrics)
+        out: dict[str, list[tuple[float, float]]] = {}
+        for name in names[:MAX_SERIES]:
+            hist = client.get_metric_history(run_id, name)
+            pts = sorted((float(m.step), float(m.value)) for m in hist)
+            out[name] = pts[-MAX_POINTS:]
+        return out
+    except Exception as exc:  # the store is busy or gone: the panel just keeps its last chart
+        log.debug("panel: cannot read the metrics of run %s: %s", run_id, exc)
+        return {}
+
+
+def _plain(snap: CallSnapshot) -> str:
+    state = snap.final or snap.message or "running"
+    return f"gangrun: {snap.fn_name} · {state} · {snap.world_size} ranks · {snap.elapsed:.1f}s"
+
+
+class Panel:
+    """Observer that draws one call's panel in the cell that launched it."""
+
+    def __init__(
+        self,
+        shell: Any,
+        parent: dict[str, Any] | None,
+        refresh_s: float = 0.5,
+        metrics_s: float = 2.5,
+    ) -> None:
+        self.shell = shell
+        self.parent = parent
+        self.refresh_s = refresh_s
+        self.metrics_s = metrics_s
+        self.display_id = f"gangrun-{uuid.uuid4().hex}"
+        self.series: Series = {}
+        self.renders = 0
+        self._snap: CallSnapshot | None = None
+        self._shown = False
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one draw at a time
+        self._thread: threading.Thread | None = None
+
+    # -- drawing -------------------------------------------------------------------------
+    def _draw(self, snap: CallSnapshot) -> None:
+        from IPython.display import display
+
+        bundle = {"text/html": render_panel(snap, self.series), "text/plain": _plain(snap)}
+        with self._lock, parent_of(self.parent, getattr(self.shell, "display_pub", None)):
+            display(bundle, raw=True, display_id=self.display_id, update=self._shown)
+            self._shown = True
+            self.renders += 1
+
+    # -- observer ------------------------------------------------------------------------
+    def on_start(self, snapshot: CallSnapshot) -> None:
+        self._snap = snapshot
+        self._draw(snapshot)  # "starting N ranks…" at once
+        self._thread = threading.Thread(target=self._loop, name="gangrun-panel", daemon=True)
+        self._thread.start()
+
+    def on_update(self, snapshot: CallSnapshot) -> None:
+        self._snap = snapshot
+        self._dirty.set()
+
+    def on_end(self, snapshot: CallSnapshot) -> None:
+        self._snap = snapshot
+        self._stop.set()
+        self._dirty.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if snapshot.mlflow_run_id:
+            self.series = (
+                fetch_metrics(snapshot.tracking_uri, snapshot.mlflow_run_id) or self.series
+            )
+        try:
+            self._draw(snapshot)  # frozen: the saved notebook shows the final state
+        except Exception:
+            log.exception("panel: the final draw failed")
+
+    # -- the panel's thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        # on_start just drew: a short call is drawn twice only (start, end), and the first
+        # redraw never competes with the ranks' start for the CPU
+        last_draw = last_metrics = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self._dirty.wait(self.refresh_s)
+                if self._stop.is_set():
+                    return
+                now = time.monotonic()
+                snap = self._snap
+                if snap is None:
+                    continue
+                if snap.mlflow_run_id and now - last_metrics >= self.metrics_s:
+                    last_metrics = now
+                    self.series = (
+                        fetch_metrics(snap.tracking_uri, snap.mlflow_run_id) or self.series
+                    )
+                if now - last_draw < self.refresh_s:
+                    continue
+                self._dirty.clear()
+                if self._stop.is_set():
+                    return
+                last_draw = now
+                self._draw(snap)  # also ticks the elapsed time
+        except Exception:
+            log.exception("panel: the live updates stopped")
+
+
+def open_panel(shell: Any, parent: dict[str, Any] | None) -> Panel:
+    return Panel(shell, parent)
+
+
+__all__ = ["Panel", "fetch_metrics", "open_panel"]

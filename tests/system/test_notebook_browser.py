@@ -1,0 +1,42 @@
+"""The live panel proven in a real browser: the quickstart notebook executed, rendered by
+nbconvert and loaded by headless Chromium, whose DOM must hold the panel's rows and chart."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("nbconvert")
+pytest.importorskip("nbclient")
+mlflow = pytest.importorskip("mlflow")
+
+from notebook_render import browse, execute_and_render  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_panel_renders_in_chromium(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    html, nb = execute_and_render(ROOT / "examples" / "quickstart.ipynb", tmp_path)
+    # the saved notebook holds the frozen final panel
+    panels = [
+        o["data"]["text/html"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if "gangrun-panel" in o.get("data", {}).get("text/html", "")
+    ]
+    assert panels and 'data-final="FINISHED"' in panels[-1]
+    dom = browse(html, "--dump-dom", "--virtual-time-budget=3000")
+    assert 'class="gangrun-panel"' in dom and 'data-final="FINISHED"' in dom
+    for rank in (0, 1):
+        assert re.search(rf'<tr class="gangrun-rank" data-rank="{rank}" data-state="finished"', dom)
+    assert re.search(r'<svg class="gangrun-chart"[^>]*>.*<polyline', dom, re.S)
+    assert "loss_rank0" in dom and "loss_rank1" in dom
+    shot = tmp_path / "page.png"
+    browse(html, f"--screenshot={shot}", "--window-size=1000,1400")
+    assert shot.stat().st_size > 10_000
