@@ -215,18 +215,10 @@ def _build() -> dict[str, type]:
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    class VolumeWriter(FsspecWriter):
+    class VolumeWriter(FsspecWriter):  # keywords: see _build()'s _VolumeWriter
         url: str
 
-        def __init__(
-            self,
-            url: str | os.PathLike[str],
-            *,
-            sync_files: bool | None = None,
-            thread_count: int = 1,
-            overwrite: bool = True,
-            **storage_options: Any,
-        ) -> None: ...
+        def __init__(self, url: str | os.PathLike[str], **options: Any) -> None: ...
 
     class VolumeReader(FsspecReader):
         url: str

@@ -27,7 +27,7 @@ class DistributedError(RuntimeError):
         exitcode: int | None = None,
         traceback: str | None = None,
         exc_type: str | None = None,
-        log_tail: str | None = None,
+        log_tail: str = "",
         run_id: str | None = None,
         failures: dict[int, RankFailure] | None = None,
     ) -> None:

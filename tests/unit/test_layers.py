@@ -22,7 +22,6 @@ LAYERS: dict[str, int] = {
     "gangrun": API,  # the package's __init__: re-exports the API
     "gangrun.__main__": API,
     "gangrun.api": API,
-    "gangrun.options": API,
     "gangrun.defaults": API,
     "gangrun.cli": API,
     "gangrun.cli_options": API,
@@ -46,6 +45,7 @@ LAYERS: dict[str, int] = {
     "gangrun.contract": PLATFORM,
     "gangrun.platform": PLATFORM,
     "gangrun.version": PLATFORM,
+    "gangrun.options": PLATFORM,  # the typed settings record every layer reads
     "gangrun._log": PLATFORM,
     "gangrun._compat_imports": PLATFORM,
     "gangrun.errors": PLATFORM,

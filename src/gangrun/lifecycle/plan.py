@@ -13,61 +13,14 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .. import contract
 from ..errors import LaunchError
 from ..launch import RankSpec
+from ..options import Options
 from ..platform import cpu_count, free_port, process_identity
 from ..records import RankContext, pid_namespace
-
-
-class CallOptions(Protocol):
-    """What the lifecycle reads of :class:`gangrun.Options` (typed without importing the API;
-    read-only, as the frozen dataclass is)."""
-
-    @property
-    def gpus(self) -> int | list[int] | None: ...
-    @property
-    def processes(self) -> int | None: ...
-    @property
-    def gpu_type(self) -> str | None: ...
-    @property
-    def timeout(self) -> float | None: ...
-    @property
-    def mlflow(self) -> bool: ...
-    @property
-    def env(self) -> Mapping[str, str]: ...
-    @property
-    def max_restarts(self) -> int: ...
-    @property
-    def output(self) -> str: ...
-    @property
-    def max_capture_bytes(self) -> int | None: ...
-    @property
-    def grace_period(self) -> float: ...
-    @property
-    def log_dir(self) -> str | None: ...
-    @property
-    def start_method(self) -> str: ...
-    @property
-    def backend(self) -> str: ...
-    @property
-    def address(self) -> str | None: ...
-    @property
-    def log_system_metrics(self) -> bool | None: ...
-    @property
-    def experiment_name(self) -> str | None: ...
-    @property
-    def run_name(self) -> str | None: ...
-    @property
-    def run_id(self) -> str | None: ...
-    @property
-    def tags(self) -> Mapping[str, str]: ...
-    @property
-    def hang_timeout(self) -> float | None: ...
-    @property
-    def gpu_wait(self) -> float | None: ...
 
 
 @dataclass
@@ -106,7 +59,7 @@ def check_gpu_type(pool: Sequence[Any], gpu_type: str | None) -> None:
         )
 
 
-def plan_local(fn: Callable[..., Any], opts: CallOptions) -> Plan:
+def plan_local(fn: Callable[..., Any], opts: Options) -> Plan:
     """World size and candidate devices on this node (raises ``LaunchError``)."""
     plan = Plan(uuid.uuid4().hex[:12], function_name(fn), 0)
     if opts.processes is not None and opts.gpu_type is None:
@@ -136,7 +89,7 @@ def plan_local(fn: Callable[..., Any], opts: CallOptions) -> Plan:
     return plan
 
 
-def rank_context(opts: CallOptions) -> RankContext:
+def rank_context(opts: Options) -> RankContext:
     """What every rank adopts from the caller: ``sys.path`` (plus what ``env``'s PYTHONPATH
     adds, first, as Python would put it), working directory, ``argv[0]``, caller identity."""
     try:
@@ -162,7 +115,7 @@ def rank_context(opts: CallOptions) -> RankContext:
     )
 
 
-def base_env(opts: CallOptions, world_size: int, devices: Sequence[Any]) -> dict[str, str]:
+def base_env(opts: Options, world_size: int, devices: Sequence[Any]) -> dict[str, str]:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (opts.env or {}).items()})
     if "OMP_NUM_THREADS" not in env:
@@ -179,7 +132,7 @@ def base_env(opts: CallOptions, world_size: int, devices: Sequence[Any]) -> dict
 
 def rank_specs(
     plan: Plan,
-    opts: CallOptions,
+    opts: Options,
     *,
     run_dir: str,
     devices: Sequence[Any] = (),
@@ -224,7 +177,7 @@ def rank_specs(
 
 def tracking_info(
     plan: Plan,
-    opts: CallOptions,
+    opts: Options,
     fn: Callable[..., Any],
     args: tuple,
     kwargs: Mapping[str, Any],
@@ -252,7 +205,6 @@ def tracking_info(
 
 
 __all__ = [
-    "CallOptions",
     "Plan",
     "plan_local",
     "rank_context",

@@ -18,7 +18,8 @@ from .. import contract
 from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import STRATEGIES, connect, fmt_resources
-from .plan import CallOptions, Plan, function_name
+from ..options import Options
+from .plan import Plan, function_name
 
 # Caller variables shipped to remote ranks even though gangrun did not set them; the rest of
 # the caller's environment (PATH, HOME, virtualenv...) belongs to the caller's machine.
@@ -52,14 +53,14 @@ def _type_matches(ray_type: str, want: str) -> bool:
     return accelerators.matches_type(ray_type.replace("_", " "), want)
 
 
-def _knob(opts: CallOptions, name: str, default: str | None = None) -> str | None:
+def _knob(opts: Options, name: str, default: str | None = None) -> str | None:
     env = opts.env or {}
     if name in env:
         return str(env[name])
     return os.environ.get(name, default)
 
 
-def plan_ray(fn: Callable[..., Any], opts: CallOptions) -> tuple[Plan, RayPlacement]:
+def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]:
     """Size the world on the cluster and decide the placement (raises ``LaunchError``)."""
     import uuid
 
@@ -132,7 +133,7 @@ def plan_ray(fn: Callable[..., Any], opts: CallOptions) -> tuple[Plan, RayPlacem
 
 
 def ship_env(
-    spec: GangSpec, opts: CallOptions, placement: RayPlacement, tracked: Mapping[str, str]
+    spec: GangSpec, opts: Options, placement: RayPlacement, tracked: Mapping[str, str]
 ) -> None:
     """Keep in each rank's environment only what a remote node needs: what gangrun or the
     user set, MLflow's variables, the forwarded prefixes (the caller's PATH, HOME, virtualenv

@@ -81,11 +81,15 @@ class CancelRequested:
 
 @dataclass(frozen=True)
 class DeadlineReached:
+    """The call's ``timeout`` ran out."""
+
     timeout: float
 
 
 @dataclass(frozen=True)
 class HangDetected:
+    """The hang guard found these ranks without progress for ``hang_timeout``."""
+
     ranks: list[int]
 
 

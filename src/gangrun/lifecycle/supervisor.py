@@ -22,13 +22,13 @@ from typing import IO, Any
 from .. import serialization
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..launch import Gang, GangSpec, RankExit, RayPlacement, open_gang
+from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
 from . import calls
 from .collect import RankFiles
 from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
 from .plan import (
-    CallOptions,
     Plan,
     check_gpu_type,
     plan_local,
@@ -53,10 +53,10 @@ from .state import (
 log = logging.getLogger("gangrun.lifecycle.supervisor")
 
 GangFactory = Callable[[GangSpec, Any, "queue.Queue[Any]"], Gang]
-Planner = Callable[[Callable[..., Any], CallOptions], tuple[Plan, RayPlacement | None]]
+Planner = Callable[[Callable[..., Any], Options], tuple[Plan, RayPlacement | None]]
 
 
-def default_planner(fn: Callable[..., Any], opts: CallOptions) -> tuple[Plan, RayPlacement | None]:
+def default_planner(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement | None]:
     if opts.backend == "ray":
         from .ray_plan import plan_ray
 
@@ -76,7 +76,7 @@ class Supervisor:
         fn: Callable[..., Any],
         args: tuple,
         kwargs: dict[str, Any],
-        options: CallOptions,
+        options: Options,
         *,
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,

@@ -34,6 +34,8 @@ class Init:
 
 @dataclass(frozen=True)
 class ForkRank:
+    """One rank to fork: its environment and working directory."""
+
     rank: int
     env: dict[str, str]
     cwd: str
@@ -41,12 +43,14 @@ class ForkRank:
 
 @dataclass(frozen=True)
 class Fork:
+    """Request: fork these ranks (fds per rank: stdout, stderr, liveness, status)."""
+
     ranks: list[ForkRank]
 
 
 @dataclass(frozen=True)
 class Info:
-    pass
+    """Request: the server's :class:`ServerInfo`."""
 
 
 @dataclass(frozen=True)
