@@ -81,16 +81,12 @@ class CancelRequested:
 
 @dataclass(frozen=True)
 class DeadlineReached:
-    """The call's ``timeout`` ran out."""
-
-    timeout: float
+    timeout: float  # the call's timeout, which ran out
 
 
 @dataclass(frozen=True)
 class HangDetected:
-    """The hang guard found these ranks without progress for ``hang_timeout``."""
-
-    ranks: list[int]
+    ranks: list[int]  # without progress for hang_timeout
 
 
 @dataclass(frozen=True)
