@@ -60,7 +60,7 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
     rng = random.Random(seed)
     world = rng.choice([2, 2, 2, 3])
     kinds = RANK_KINDS + CALLER_KINDS + SCENARIO_KINDS
-    weights = [16, 14, 14, 14, 8, 8, 8, 6, 3, 3, 3, 3]
+    weights = [16, 14, 14, 14, 8, 8, 8, 6, 3, 3, 3, 3, 3]
     optional = [k for k in OPTIONAL_KINDS if k in KINDS]  # off unless asked for by name
     kind = rng.choices(kinds + tuple(optional), weights=weights + [6] * len(optional), k=1)[0]
     point = rng.choices(CHEAP_POINTS + TORCH_POINTS, weights=[24, 20, 20, 18, 7, 11], k=1)[0]
