@@ -21,7 +21,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 OUT = os.path.join(BENCH, "out")
 DOCS = os.path.join(ROOT, "docs")
-ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent"]
+ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook"]
 
 # (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
 TARGETS = [
@@ -34,6 +34,10 @@ TARGETS = [
     ("ddp", "gangrun_vs_torchrun", "DDP steps/s / torchrun", 0.98, "ge"),
     ("transfer", "gangrun_vs_save_load", "256 MiB x2 result / torch.save+load", 1.5, "le"),
     ("output", "all_vs_none", "200k lines x2: output=all / none", None, "le"),
+    ("gang", "fresh_call_vs_gang", "fresh .distributed() / warm gang execute", None, "ge"),
+    ("gang", "ipyparallel_vs_gang", "ipyparallel execute / warm gang execute", None, "ge"),
+    ("notebook", "panel_on_vs_off", "warm relaunch in a kernel: panel on / off", None, "le"),
+    ("notebook", "first_vs_warm", "first call 3 s after decorating / warm relaunch", None, "le"),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
 
@@ -105,6 +109,17 @@ def verdicts(results: dict) -> list[dict]:
         n = sum(lost) + results["output"].get("garbled_lines", 0)
         rows.append(
             {"label": "output lines lost", "value": n, "target": 0, "op": "le", "ok": n == 0}
+        )
+    g = results.get("gang", {}).get("results", {}).get("gang_execute", {}).get("median")
+    if g is not None:
+        rows.append(
+            {
+                "label": "warm 2-rank gang execute round trip, ms",
+                "value": g * 1000,
+                "target": 10,
+                "op": "le",
+                "ok": g * 1000 <= 10,
+            }
         )
     imp = results.get("parent", {}).get("results", {}).get("import_s", {}).get("median")
     if imp is not None:
@@ -238,6 +253,12 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "   `sys.stdout` checks every line arrived once, whole, with its `[rank N]` prefix.",
         "6. **parent**: `import gangrun` in a fresh interpreter (and that it imports no torch,",
         "   mlflow, ray or numpy); the caller's RSS growth per call over 20+ calls.",
+        '7. **gang**: round trip of `g.execute("1")` on a warm 2-rank `gangrun.Gang`, next to a',
+        "   fresh `.distributed()` call of a trivial function and ipyparallel's",
+        "   `rc[:].execute(..., block=True)` on 2 engines (the `%px` path), in one run.",
+        "8. **notebook**: in a real kernel (`jupyter_client`): a warm relaunch with the live panel",
+        "   on and off; the first call made 3 s after decorating (fork server prewarmed in the",
+        "   background) and a cold first call, next to the warm relaunch.",
         "",
     ]
     return "\n".join(out)

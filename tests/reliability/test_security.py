@@ -95,3 +95,45 @@ def test_rendezvous_on_loopback():
         # wildcard address whatever MASTER_ADDR says (documented in docs/security.md)
         for ip, port in r["listen"]:
             assert ip in ("127.0.0.1", "::1") or port == r["master_port"], (ip, port)
+
+
+def test_log_dir_planted_by_another_user_is_refused_end_to_end(tmp_path):
+    """Reliability items 15 and 16 through a real call. Another user is simulated (the suite
+    runs as root): a directory owned by uid 65534, reached through a symlink planted where the
+    caller's ``log_dir`` would be created. The call fails before any rank starts, nothing is
+    written into the other user's directory, and no run directory is left behind."""
+    import tempfile
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o1777)  # a world-writable sticky dir, like /tmp
+    (shared / "logs").symlink_to(theirs)
+    os.lchown(shared / "logs", 65534, 65534)  # the link is theirs too
+    before = set(os.listdir(tempfile.gettempdir()))
+    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60, log_dir=str(shared / "logs"))
+    with pytest.raises(gangrun.LaunchError, match="symlink|owned by"):
+        fn(rel_funcs.private_files).distributed()
+    assert os.listdir(theirs) == []
+    leaked = {
+        n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("gangrun-")
+    }
+    assert not leaked
+
+
+def test_created_log_dir_is_private(tmp_path):
+    """Item 16: a ``log_dir`` gangrun creates (and the per-call directory in it) is 0700
+    whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        fn = gangrun.distributed(
+            processes=1, mlflow=False, timeout=60, log_dir=str(tmp_path / "a" / "b")
+        )
+        h = fn(rel_funcs.private_files).submit()
+        h.result(60)
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", Path(h.log_dir)):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
