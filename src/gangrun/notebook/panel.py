@@ -128,6 +128,9 @@ class Panel:
                         fetch_metrics(snap.tracking_uri, snap.mlflow_run_id) or self.series
                     )
                 if now - last_draw < self.refresh_s:
+                    # dirty, but drawn lately: sleep out the rest of the interval (waiting on
+                    # the still-set event again would spin and steal the ranks' CPU)
+                    self._stop.wait(self.refresh_s - (now - last_draw))
                     continue
                 self._dirty.clear()
                 if self._stop.is_set():
