@@ -16,7 +16,6 @@ lifecycle owns (which also carries the lifecycle's own events: cancel, deadline,
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -103,6 +102,13 @@ class Spawner(Protocol):
         what the spawner holds for it (a fork-server lease, Ray actors and bundles)."""
 
 
+class ExitSink(Protocol):
+    """Where a gang reports rank exits: the lifecycle's event queue (``queue.Queue``), which
+    also carries the lifecycle's own events."""
+
+    def put(self, item: RankExit) -> None: ...
+
+
 class Gang(Protocol):
     """The rank processes of one attempt of one call."""
 
@@ -122,7 +128,7 @@ class Gang(Protocol):
         """Release pipes, threads and log files (after the ranks are gone)."""
 
 
-def open_gang(spec: GangSpec, pump: OutputPump, events: queue.Queue) -> Gang:
+def open_gang(spec: GangSpec, pump: OutputPump, events: ExitSink) -> Gang:
     """The gang for ``spec``: Ray actors when ``spec.placement`` is set, else fork server or
     fresh interpreters by ``spec.start_method``. Exits go into ``events``."""
     from .gang import ProcessGang, choose_spawner

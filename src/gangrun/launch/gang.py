@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import IO, TYPE_CHECKING
 
 from .. import platform
 from ..rundir import log_path
-from . import GangSpec, RankExit, RankIO, RankProcess, RankSpec, Spawner
+from . import ExitSink, GangSpec, RankExit, RankIO, RankProcess, RankSpec, Spawner
 from .limits import check_env
 from .spawn import SpawnSpawner, close_fds
 
@@ -80,7 +79,7 @@ class ProcessGang:
     """The rank processes of one attempt of one call."""
 
     def __init__(
-        self, spec: GangSpec, pump: OutputPump, events: queue.Queue, spawner: Spawner
+        self, spec: GangSpec, pump: OutputPump, events: ExitSink, spawner: Spawner
     ) -> None:
         self.spec = spec
         self.pump = pump

@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from .state import Outcome, State
+
+if TYPE_CHECKING:
+    from ..tracking.caller import Tracker
 
 log = logging.getLogger("gangrun.lifecycle.observers")
 
@@ -61,7 +64,7 @@ class MlflowObserver(Observer):
 
     def __init__(self, start: Callable[[dict[str, Any], Any], Any] | None = None) -> None:
         self._start = start
-        self.tracker: Any = None  # gangrun.tracking.Tracker once started
+        self.tracker: Tracker | None = None  # once started
 
     @property
     def run_id(self) -> str | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import contract
+from ..accelerators import Accelerator
 from ..errors import LaunchError
 from ..launch import RankSpec
 from ..options import Options
@@ -31,7 +32,9 @@ class Plan:
     # local GPU ranks: how many of ``devices`` the supervisor reserves (a count), or exactly
     # which (device indices, ``gpus=[0, 3]``); 0: no GPU
     gpus_wanted: int | list[int] = 0
-    devices: list[Any] = field(default_factory=list)  # the candidates (the node's, or those named)
+    devices: list[Accelerator] = field(
+        default_factory=list
+    )  # the candidates (the node's, or those named)
     gpu_name: str | None = None
     context: RankContext | None = None
     backend: str = "local"
@@ -41,7 +44,7 @@ def function_name(fn: Callable[..., Any]) -> str:
     return str(getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn))))
 
 
-def check_gpu_type(pool: Sequence[Any], gpu_type: str | None) -> None:
+def check_gpu_type(pool: Sequence[Accelerator], gpu_type: str | None) -> None:
     if gpu_type is None:
         return
     from .. import accelerators
@@ -115,7 +118,7 @@ def rank_context(opts: Options) -> RankContext:
     )
 
 
-def base_env(opts: Options, world_size: int, devices: Sequence[Any]) -> dict[str, str]:
+def base_env(opts: Options, world_size: int, devices: Sequence[Accelerator]) -> dict[str, str]:
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (opts.env or {}).items()})
     if "OMP_NUM_THREADS" not in env:
@@ -135,7 +138,7 @@ def rank_specs(
     opts: Options,
     *,
     run_dir: str,
-    devices: Sequence[Any] = (),
+    devices: Sequence[Accelerator] = (),
     attempt: int = 0,
     tracking_env: Mapping[str, str] | None = None,
 ) -> list[RankSpec]:

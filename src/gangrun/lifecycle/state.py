@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,7 +138,9 @@ class Outcome:
 class StateMachine:
     """Holds the state; validates each transition and tells the listener."""
 
-    def __init__(self, outcome: Outcome, listener: Any = None) -> None:
+    def __init__(
+        self, outcome: Outcome, listener: Callable[[State, Outcome], None] | None = None
+    ) -> None:
         self.outcome = outcome
         self._listener = listener
         self._lock = threading.Lock()

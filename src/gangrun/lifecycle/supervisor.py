@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Union
 
 from .. import serialization
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
-from ..launch import Gang, GangSpec, RankExit, RayPlacement, open_gang
+from ..launch import ExitSink, Gang, GangSpec, RankExit, RayPlacement, open_gang
 from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
@@ -50,9 +50,19 @@ from .state import (
     StateMachine,
 )
 
+if TYPE_CHECKING:
+    from ..accelerators import Accelerator
+    from ..hang import HangGuard
+    from ..output import OutputPump
+    from ..reservation import Reservation
+    from ..tracking.caller import Tracker
+
 log = logging.getLogger("gangrun.lifecycle.supervisor")
 
-GangFactory = Callable[[GangSpec, Any, "queue.Queue[Any]"], Gang]
+# What the call's event queue carries: rank exits from the gang, the lifecycle's own events.
+QueueItem = Union[RankExit, CancelRequested]
+GangFactory = Callable[[GangSpec, "OutputPump", ExitSink], Gang]
+PumpFactory = Callable[..., "OutputPump"]
 Planner = Callable[[Callable[..., Any], Options], tuple[Plan, RayPlacement | None]]
 
 
@@ -64,10 +74,12 @@ def default_planner(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPla
     return plan_local(fn, opts), None
 
 
-def _pump(stdout: Any, stderr: Any, mode: str, on_line: Any = None) -> Any:
-    from ..output import OutputPump
+def _pump(
+    stdout: IO[str], stderr: IO[str], mode: str, on_line: Callable[[int, str], None] | None = None
+) -> OutputPump:
+    from ..output import OutputPump as Pump
 
-    return OutputPump(stdout, stderr, mode, on_line)
+    return Pump(stdout, stderr, mode, on_line)
 
 
 class Supervisor:
@@ -82,7 +94,7 @@ class Supervisor:
         stderr: IO[str] | None = None,
         gang_factory: GangFactory = open_gang,
         planner: Planner = default_planner,
-        pump_factory: Callable[..., Any] = _pump,
+        pump_factory: PumpFactory = _pump,
         observers: list[Observer] | None = None,
     ) -> None:
         self.fn, self.args, self.kwargs, self.opts = fn, args, kwargs, options
@@ -108,11 +120,11 @@ class Supervisor:
         self.call = CallInfo("", getattr(fn, "__qualname__", repr(fn)), stdout=self.stdout)
         self.call.stderr, self.call.max_restarts = self.stderr, options.max_restarts
         self.gang: Gang | None = None
-        self.pump: Any = None
+        self.pump: OutputPump | None = None
         self._gang_open = False
-        self._devices: list[Any] = []
-        self._reservation: Any = None
-        self._events: queue.Queue[Any] | None = None
+        self._devices: list[Accelerator] = []
+        self._reservation: Reservation | None = None
+        self._events: queue.Queue[QueueItem] | None = None
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -129,7 +141,7 @@ class Supervisor:
         return self.outcome.state
 
     @property
-    def tracker(self) -> Any:
+    def tracker(self) -> Tracker | None:
         """The MLflow run's tracker (``gangrun.tracking.Tracker``), once created."""
         return None if self._mlflow is None else self._mlflow.tracker
 
@@ -254,7 +266,7 @@ class Supervisor:
     def _launch_attempt(self) -> None:
         assert self.plan is not None and self.rundir is not None and self.context is not None
         self._machine.to(State.LAUNCHING)  # the MLflow observer creates the run on the first
-        events: queue.Queue[Any] = queue.Queue()
+        events: queue.Queue[QueueItem] = queue.Queue()
         with self._lock:
             self._events = events
             if self._cancel_reason is not None:  # cancelled while restarting
@@ -319,7 +331,7 @@ class Supervisor:
             log.exception("the monitor of call %s failed", self.run_id)
             self._end(exc)
 
-    def _next_event(self, events: queue.Queue[Any], wait: float | None) -> Event | None:
+    def _next_event(self, events: queue.Queue[QueueItem], wait: float | None) -> Event | None:
         try:
             item = events.get(timeout=wait)
         except queue.Empty:
@@ -382,7 +394,11 @@ class Supervisor:
         return self._attempt_result(ending, exits, teardown_at, guard)
 
     def _attempt_result(
-        self, ending: Event | None, exits: dict[int, RankExit], teardown_at: float, guard: Any
+        self,
+        ending: Event | None,
+        exits: dict[int, RankExit],
+        teardown_at: float,
+        guard: HangGuard | None,
     ) -> Attempt:
         number, n, name = self.call.attempt, self.world_size, self.fn_name
         if isinstance(ending, CancelRequested):
@@ -398,6 +414,7 @@ class Supervisor:
             )
             return Attempt(number, State.TIMED_OUT, err)
         if isinstance(ending, HangDetected):
+            assert guard is not None  # only the guard detects hangs
             return Attempt(number, State.HUNG, guard.error(name, self.run_id, self.log_dir))
         assert self.gang is not None
         if isinstance(ending, RankExited):
