@@ -177,12 +177,12 @@ def env_var(name: str) -> str:
 
 def check_names(names: Iterable[str], what: str) -> None:
     """``LaunchError`` for names that are not options, suggesting the closest valid one."""
-    import difflib
-
     valid = sorted(_fields())
     unknown = [n for n in names if n not in valid]
     if not unknown:
         return
+    import difflib  # only on the error path: import gangrun stays light
+
     parts = []
     for n in sorted(unknown):
         close = difflib.get_close_matches(n, valid, n=1, cutoff=0.5)

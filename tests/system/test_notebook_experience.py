@@ -183,7 +183,7 @@ def test_misspelled_option_lists_valid_names(kernel):
     a = kernel.execute("distributed(num_gpus=2)")
     err = kernel.error(a)
     assert err is not None and "num_gpus" in err["evalue"]
-    assert "Did you mean 'gpus'?" in err["evalue"] and "processes" in err["evalue"]
+    assert "did you mean 'gpus'?" in err["evalue"] and "processes" in err["evalue"]
 
 
 NESTED = """\

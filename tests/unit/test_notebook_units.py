@@ -38,11 +38,17 @@ def test_bind_arguments_accepts_var_kwargs_and_callables_without_signature():
 
 
 def test_unknown_options_lists_valid_and_suggests():
+    from gangrun.defaults import check_names
+
     with pytest.raises(LaunchError) as ei:
-        checks.unknown_options({"num_gpus": 2}, ["gpus", "processes"], "@distributed argument(s)")
+        check_names({"num_gpus": 2}, "@distributed argument")
     msg = str(ei.value)
-    assert "num_gpus" in msg and "Did you mean 'gpus'?" in msg and "gpus, processes" in msg
-    checks.unknown_options({"gpus": 1}, ["gpus"])
+    assert (
+        "num_gpus" in msg
+        and "did you mean 'gpus'?" in msg
+        and "gpu_wait, gpus, grace_period" in msg
+    )
+    check_names({"gpus": 1}, "option")
 
 
 def test_refuse_nested_names_rank_and_call():

@@ -285,6 +285,11 @@ class Gang:
             )
         try:
             handle = self._check_usable()
+            # in a kernel: this execution's output belongs to the cell running it now
+            for stream in (handle._run.stdout, handle._run.stderr):
+                retarget = getattr(stream, "retarget", None)
+                if retarget is not None:
+                    retarget()
             limit = self.timeout
             deadline = None if limit is None else time.monotonic() + limit
             data = protocol.frame(msg)

@@ -46,6 +46,9 @@ class Observer:
         """Variables every rank gets (asked before each launch)."""
         return {}
 
+    def on_plan(self, call: CallInfo) -> None:
+        """The call is planned (its id and world size are known); nothing is acquired yet."""
+
     def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
         """Rank ``rank`` ended (``stopped``: during the teardown, i.e. it was stopped)."""
 
@@ -59,8 +62,9 @@ class Observer:
 
 
 class MlflowObserver(Observer):
-    """One MLflow run per call: created when the first launch begins (its link printed),
-    ended with the outcome's status (logs attached) when the call reaches a terminal state."""
+    """One MLflow run per call: created by :meth:`start` as the last acquisition before the
+    first launch (its link printed), ended with the outcome's status (logs attached) when the
+    call reaches a terminal state."""
 
     def __init__(self, start: Callable[[dict[str, Any], Any], Any] | None = None) -> None:
         self._start = start
@@ -70,15 +74,18 @@ class MlflowObserver(Observer):
     def run_id(self) -> str | None:
         return None if self.tracker is None else str(self.tracker.run_id)
 
-    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
-        if state is State.LAUNCHING and call.attempt == 0 and self.tracker is None:
-            start = self._start
-            if start is None:
-                from ..tracking import Tracker
+    def start(self, call: CallInfo) -> None:
+        """Create (or resume) the call's run: an acquisition of the supervisor's, so bad
+        tracking input (a missing ``run_id``...) is a ``LaunchError`` before any rank starts."""
+        start = self._start
+        if start is None:
+            from ..tracking import Tracker
 
-                start = Tracker.start
-            self.tracker = start(call.tracking, call.stdout)
-        elif state.terminal and self.tracker is not None:
+            start = Tracker.start
+        self.tracker = start(call.tracking, call.stdout)
+
+    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        if state.terminal and self.tracker is not None:
             status = outcome.mlflow_status or "FAILED"
             try:
                 self.tracker.finish(status, outcome.error, call.log_files)

@@ -233,6 +233,7 @@ class Supervisor:
         self.call.run_id, self.call.fn_name = plan.run_id, plan.fn_name
         self.call.world_size = plan.world_size
         self.run_id, self.fn_name, self.world_size = plan.run_id, plan.fn_name, plan.world_size
+        tell(self.observers, "on_plan", self.call)  # e.g. the panel: "starting N ranks..."
         self.context = rank_context(self.opts)
         if plan.gpus_wanted:
             from ..reservation import reserve, reserve_exact
@@ -260,12 +261,13 @@ class Supervisor:
             self.kwargs,
             self.opts.max_capture_bytes,
         )
-        if self.opts.mlflow:
+        if self._mlflow is not None:
             self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
+            self._mlflow.start(self.call)  # bad tracking input: a LaunchError, nothing started
 
     def _launch_attempt(self) -> None:
         assert self.plan is not None and self.rundir is not None and self.context is not None
-        self._machine.to(State.LAUNCHING)  # the MLflow observer creates the run on the first
+        self._machine.to(State.LAUNCHING)
         events: queue.Queue[QueueItem] = queue.Queue()
         with self._lock:
             self._events = events

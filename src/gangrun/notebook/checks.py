@@ -48,18 +48,6 @@ def bind_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any
         ) from None
 
 
-def unknown_options(given: Iterable[str], valid: Iterable[str], what: str = "option(s)") -> None:
-    """Raise :class:`LaunchError` for option names not in ``valid``, listing the valid ones."""
-    valid = sorted(valid)
-    bad = sorted(set(given) - set(valid))
-    if not bad:
-        return
-    hints = "".join(did_you_mean(b, valid) for b in bad)
-    raise LaunchArgumentError(
-        f"unknown {what}: {', '.join(bad)}.{hints} Valid options: {', '.join(valid)}."
-    )
-
-
 def refuse_nested(env: Mapping[str, str] | None = None) -> None:
     """Raise :class:`LaunchError` when called inside a rank of a gangrun call."""
     env = os.environ if env is None else env
@@ -95,5 +83,4 @@ __all__ = [
     "did_you_mean",
     "hidden_gpus_message",
     "refuse_nested",
-    "unknown_options",
 ]

@@ -71,6 +71,10 @@ class CellWriter:
     def isatty(self) -> bool:
         return False
 
+    def retarget(self) -> None:
+        """From now on, write for the request executing now (a gang's next cell)."""
+        self.parent = current_parent(self.stream) or self.parent
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 

@@ -27,11 +27,12 @@ class PanelObserver(Observer):
         self.state, self.run = state, run
         self._tracked = False
 
+    def on_plan(self, call: CallInfo) -> None:
+        self.state.starting(call.world_size, call.run_id)  # before the slow parts (MLflow)
+
     def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
         cs = self.state
-        if state is State.LAUNCHING and call.attempt == 0:
-            cs.starting(call.world_size, call.run_id)  # before MLflow's (slower) run creation
-        elif state is State.RUNNING:
+        if state is State.RUNNING:
             tracker = self.run.tracker
             if tracker is not None and not self._tracked:
                 self._tracked = True
