@@ -100,14 +100,21 @@ def script(tmp_path):
     return make
 
 
-@pytest.fixture(scope="session", autouse=True)
-def mlflow_store_created_once():
-    """Create the session's MLflow sqlite store up front, in this process. MLflow's first-time
-    schema migration is not safe against a creator killed midway (a test that SIGKILLs its
-    caller subprocess during the ~1 s of table creation leaves ``_alembic_tmp_*`` tables that
-    break every later use of the store), nor against two first creators at once (ranks that
-    log with ``mlflow=False`` into a store nobody created yet)."""
-    from mlflow import MlflowClient
+_store_ready = False
 
-    MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).search_experiments(max_results=1)
+
+@pytest.fixture(autouse=True)
+def mlflow_store_created_once(request):
+    """Create the session's MLflow sqlite store up front, in this process, before the first
+    test that starts processes. MLflow's first-time schema migration is not safe against a
+    creator killed midway (a test that SIGKILLs its caller subprocess during the ~1 s of table
+    creation leaves ``_alembic_tmp_*`` tables that break every later use of the store), nor
+    against two first creators at once (ranks that log with ``mlflow=False`` into a store
+    nobody created yet). Process-free unit tests do not pay for it."""
+    global _store_ready
+    if not _store_ready and "unit" not in request.path.parts:
+        from mlflow import MlflowClient
+
+        MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).search_experiments(max_results=1)
+        _store_ready = True
     yield
