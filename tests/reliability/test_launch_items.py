@@ -187,3 +187,38 @@ def test_ranks_die_with_a_caller_that_forked(script, tmp_path, method):
             except ProcessLookupError:
                 pass
         proc.communicate(timeout=10)
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def test_ctrl_c_while_waiting_for_the_fork_server_keeps_its_channel_in_sync(monkeypatch):
+    """Found by the soak (seed 5188101, run 46): Ctrl-C landed while the caller waited for the
+    fork server's answer to a fork request; that answer stayed in the channel and the next
+    call took it for its own ("zip() argument 2 is longer than argument 1"), leaking its
+    status pipes. The interrupt is injected exactly there: the receive is replaced by one
+    that raises KeyboardInterrupt once, as a SIGINT to the main thread would."""
+    import threading
+
+    from gangrun.launch.forkserver import protocol
+
+    fn = distributed(processes=3, mlflow=False, timeout=60, start_method="forkserver")(_rank)
+    assert fn.distributed() == [0, 1, 2]  # the server is warm
+    real = protocol.recv
+    armed = {"on": True}
+
+    def interrupted_recv(sock, *args, **kwargs):
+        if armed["on"] and threading.current_thread() is threading.main_thread():
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return real(sock, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "recv", interrupted_recv)
+    with pytest.raises(KeyboardInterrupt):
+        fn.distributed()
+    fds = set(os.listdir("/proc/self/fd"))
+    assert fn.options(processes=2).distributed() == [0, 1]
+    assert fn.distributed() == [0, 1, 2]
+    time.sleep(0.2)
+    assert set(os.listdir("/proc/self/fd")) - fds == set()

@@ -8,6 +8,7 @@ run directories or listening ports in the caller, and that the next call succeed
     GANGRUN_SOAK_RUNS=100 pytest -m soak tests/soak          # CI size (default 100)
     make soak                                                 # 1000 runs
     GANGRUN_SOAK_SEED=1234 GANGRUN_SOAK_ONLY=57 pytest -m soak tests/soak   # replay one run
+    GANGRUN_SOAK_FIRST_FAILURE=1 ...                                         # stop at the first failure
 
 A failing run prints its seed and plan; the same seed replays the same plan.
 """
@@ -463,6 +464,8 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
                 + " | ".join(problems)
             )
             base = Baseline(str(private_tmp))  # report each leak once
+            if os.environ.get("GANGRUN_SOAK_FIRST_FAILURE"):  # debugging: stop at the first
+                break
     elapsed = time.monotonic() - t0
     with capsys.disabled():
         by_kind: collections.Counter = collections.Counter()

@@ -103,6 +103,8 @@ class ForkServerSpawner:
                 send += [io.out_w, io.err_w, io.live_r, st_w]
                 msgs.append(p.ForkRank(r.rank, r.env, spec.cwd))
             pids = server.fork(msgs, send)
+            if len(pids) != len(ranks):
+                raise ForkServerError(f"the fork server started {len(pids)} of {len(ranks)} ranks")
         except BaseException:
             close_fds(status_r)
             raise
