@@ -16,7 +16,6 @@ from .errors import (
     DistributedHangError,
     DistributedTimeoutError,
     LaunchError,
-    RankFailure,
 )
 
 # The one source of the version (pyproject.toml reads it there: setuptools dynamic).
@@ -33,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .interactive.magic import load_ipython_extension
     from .interactive.rank import rank_state
     from .interactive.session import Gang
+    from .records import RankFailure
 
 _LAZY = {
     "distributed": "api",
@@ -42,6 +42,7 @@ _LAZY = {
     "device": "accelerators",
     "backend": "accelerators",
     "heartbeat": "hang",
+    "RankFailure": "records",
     "set_defaults": "defaults",
     "reset_defaults": "defaults",
     "Gang": "interactive.session",

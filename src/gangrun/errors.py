@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from .platform import signal_name
-from .records import RankFailure
+from .exitcodes import signal_name
+
+TYPE_CHECKING = False  # not typing's: importing typing is most of `import gangrun`'s time
+if TYPE_CHECKING:
+    from .records import RankFailure
 
 
 class DistributedError(RuntimeError):
@@ -123,6 +126,5 @@ __all__ = [
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",
-    "RankFailure",
     "signal_name",
 ]

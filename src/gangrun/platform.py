@@ -15,16 +15,6 @@ from typing import Any
 log = logging.getLogger("gangrun.platform")
 
 
-def signal_name(exitcode: int | None) -> str | None:
-    """``-9`` -> ``"SIGKILL"``; ``None`` for normal exit codes."""
-    if exitcode is None or exitcode >= 0:
-        return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask), not the machine's total."""
     try:

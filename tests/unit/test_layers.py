@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "gangrun.contract": PLATFORM,
     "gangrun.platform": PLATFORM,
     "gangrun.version": PLATFORM,
+    "gangrun.exitcodes": PLATFORM,
     "gangrun.options": PLATFORM,  # the typed settings record every layer reads
     "gangrun._log": PLATFORM,
     "gangrun._compat_imports": PLATFORM,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from ..platform import signal_name
+from ..exitcodes import signal_name
 
 log = logging.getLogger("gangrun.notebook")
 
