@@ -27,8 +27,14 @@ from ..spawn import close_fds
 from . import protocol as p
 
 POOL_MAX = 16  # idle pre-forked children kept at most
-_PRELOAD_ALWAYS = (
+_PRELOAD_ALWAYS = (  # everything a rank imports on its way: paid once here, not per rank
     "gangrun.worker",
+    "gangrun.tracking.rank",
+    "gangrun.notebook.source",
+    "gangrun.security",
+    "gangrun.launch.rankside",
+    "inspect",
+    "linecache",
     "gangrun.serialization",
     "gangrun.launch.forkserver.child",
     "cloudpickle",
