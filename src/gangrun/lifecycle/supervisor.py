@@ -17,11 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any, Union
+from typing import IO, TYPE_CHECKING, Any
 
 from .. import serialization
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
-from ..launch import ExitSink, Gang, GangSpec, RankExit, RayPlacement, open_gang
+from ..launch import Gang, GangSpec, RankExit, RayPlacement, open_gang
 from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
@@ -31,12 +31,12 @@ from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notif
 from .plan import (
     Plan,
     check_gpu_type,
-    plan_local,
     rank_context,
     rank_specs,
     tracking_info,
 )
 from .policy import Decision, RestartPolicy
+from .seams import GangFactory, Planner, PumpFactory, QueueItem, default_planner, make_pump
 from .state import (
     Attempt,
     CancelRequested,
@@ -59,28 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gangrun.lifecycle.supervisor")
 
-# What the call's event queue carries: rank exits from the gang, the lifecycle's own events.
-QueueItem = Union[RankExit, CancelRequested]
-GangFactory = Callable[[GangSpec, "OutputPump", ExitSink], Gang]
-PumpFactory = Callable[..., "OutputPump"]
-Planner = Callable[[Callable[..., Any], Options], tuple[Plan, RayPlacement | None]]
-
-
-def default_planner(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement | None]:
-    if opts.backend == "ray":
-        from .ray_plan import plan_ray
-
-        return plan_ray(fn, opts)
-    return plan_local(fn, opts), None
-
-
-def _pump(
-    stdout: IO[str], stderr: IO[str], mode: str, on_line: Callable[[int, str], None] | None = None
-) -> OutputPump:
-    from ..output import OutputPump as Pump
-
-    return Pump(stdout, stderr, mode, on_line)
-
 
 class Supervisor:
     def __init__(
@@ -94,7 +72,7 @@ class Supervisor:
         stderr: IO[str] | None = None,
         gang_factory: GangFactory = open_gang,
         planner: Planner = default_planner,
-        pump_factory: PumpFactory = _pump,
+        pump_factory: PumpFactory = make_pump,
         observers: list[Observer] | None = None,
     ) -> None:
         self.fn, self.args, self.kwargs, self.opts = fn, args, kwargs, options

@@ -1,0 +1,40 @@
+"""What a supervisor is built from, injectable (the policy tests pass fakes): the planner,
+the gang factory, the output pump factory, and the type of the call's event queue."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, Union
+
+from ..launch import ExitSink, Gang, GangSpec, RankExit, RayPlacement
+from ..options import Options
+from .plan import Plan, plan_local
+from .state import CancelRequested
+
+if TYPE_CHECKING:
+    from ..output import OutputPump
+
+# What the call's event queue carries: rank exits from the gang, the lifecycle's own events.
+QueueItem = Union[RankExit, CancelRequested]
+GangFactory = Callable[[GangSpec, "OutputPump", ExitSink], Gang]
+PumpFactory = Callable[..., "OutputPump"]
+Planner = Callable[[Callable[..., Any], Options], tuple[Plan, RayPlacement | None]]
+
+
+def default_planner(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement | None]:
+    if opts.backend == "ray":
+        from .ray_plan import plan_ray
+
+        return plan_ray(fn, opts)
+    return plan_local(fn, opts), None
+
+
+def make_pump(
+    stdout: IO[str], stderr: IO[str], mode: str, on_line: Callable[[int, str], None] | None = None
+) -> OutputPump:
+    from ..output import OutputPump as Pump
+
+    return Pump(stdout, stderr, mode, on_line)
+
+
+__all__ = ["QueueItem", "GangFactory", "PumpFactory", "Planner", "default_planner", "make_pump"]
