@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -128,7 +129,10 @@ def wait_gone(pid: int, timeout: float) -> bool:
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> Any:
+    """The C library, opened once per process (a fork inherits the handle): every rank calls
+    it at start (subreaper, stdio buffering) and at exit (fflush)."""
     import ctypes
 
     try:
