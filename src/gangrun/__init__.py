@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .interactive.magic import load_ipython_extension
     from .interactive.rank import rank_state
     from .interactive.session import Gang
+    from .progress import report_step
     from .records import RankFailure
 
 _LAZY = {
@@ -42,6 +43,7 @@ _LAZY = {
     "device": "accelerators",
     "backend": "accelerators",
     "heartbeat": "hang",
+    "report_step": "progress",
     "RankFailure": "records",
     "set_defaults": "defaults",
     "reset_defaults": "defaults",
@@ -80,6 +82,7 @@ __all__ = [
     "DistributedCancelledError",
     "DistributedHangError",
     "heartbeat",
+    "report_step",
     "set_defaults",
     "reset_defaults",
     "Gang",

@@ -105,6 +105,7 @@ class HangGuard:
         for p in (
             log_path(self.log_dir, rank),
             heartbeat_path(self.run_dir, rank),
+            RunDir(self.run_dir).progress(rank),  # gangrun.report_step()
         ):
             try:
                 t = max(t, os.stat(p).st_mtime)

@@ -8,6 +8,7 @@
     error.<rank>.pkl     rank <rank>'s failure record (exception type, message, traceback)
     heartbeat.<rank>     hang guard: touched by the rank on progress
     stacks.<rank>        hang guard: the rank's stacks, dumped on request
+    progress.<rank>      the rank's last step report (:mod:`gangrun.progress`)
     logs/rank-<rank>.log every rank's full output (unless ``log_dir=`` puts it elsewhere)
 
 Both sides use this class: the caller creates and clears it, a rank only reads the payload and
@@ -29,7 +30,7 @@ log = logging.getLogger("gangrun.rundir")
 
 PAYLOAD = "payload.pkl"
 CONTEXT = "context.json"
-_ATTEMPT_PREFIXES = ("result.", "error.", "heartbeat.", "stacks.")
+_ATTEMPT_PREFIXES = ("result.", "error.", "heartbeat.", "stacks.", "progress.")
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,15 @@ class RunDir:
     def stacks(self, rank: int) -> str:
         return os.path.join(self.path, f"stacks.{rank}")
 
+    def progress(self, rank: int) -> str:
+        return os.path.join(self.path, f"progress.{rank}")
+
     def log(self, rank: int) -> str:
         return log_path(self.logs, rank)
 
     def attempt_files(self) -> list[str]:
-        """The per-attempt files present now (results, errors, heartbeats, stacks)."""
+        """The per-attempt files present now (results, errors, heartbeats, stacks, step
+        reports)."""
         try:
             names = os.listdir(self.path)
         except FileNotFoundError:

@@ -252,6 +252,9 @@ def main() -> None:
     rank_runs = RankRuns()  # notes the call's MLFLOW_RUN_ID before user code can consume it
     run_dir = os.environ[contract.RUN_DIR]
     rank = int(os.environ["RANK"])
+    from .progress import bind
+
+    bind(run_dir, rank)
     if os.environ.get(contract.HANG_TIMEOUT):
         from .hang import install
 

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     # the rank side: runs inside rank processes (the fork server's child becomes a rank)
     "gangrun.worker": RANK,
     "gangrun.hang": RANK,
+    "gangrun.progress": RANK,  # step reports (written by ranks, read by the caller)
     "gangrun.tracking.rank": RANK,  # ends the MLflow runs a rank opened
     "gangrun.interactive.rank": RANK,  # a gang's rank loop
     "gangrun.interactive.protocol": PLATFORM,  # framing shared by both ends
@@ -64,6 +65,7 @@ RANK_SIDE_MAY_IMPORT = {RANK, PLATFORM}
 RANK_SIDE = (
     "gangrun.worker",
     "gangrun.hang",
+    "gangrun.progress",
     "gangrun.records",
     "gangrun.rundir",
     "gangrun.tracking.rank",

@@ -30,6 +30,7 @@ POOL_MAX = 16  # idle pre-forked children kept at most
 _PRELOAD_ALWAYS = (  # everything a rank imports on its way: paid once here, not per rank
     "gangrun.worker",
     "gangrun.tracking.rank",
+    "gangrun.progress",
     "gangrun.notebook.source",
     "gangrun.security",
     "gangrun.launch.rankside",

@@ -1,0 +1,176 @@
+"""Step reports: the rank tells the caller which step it is at (cheap enough for every step).
+
+Rank side::
+
+    for step in range(start, total):
+        ...
+        gangrun.report_step(step, total)     # progress, ETA, slow ranks; counts for the hang guard
+
+The checkpoint manager calls :func:`report_resumed` after a restore, so the caller knows an
+attempt made progress and from which step it resumed.
+
+Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directory
+(:meth:`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
+fsync): a report is a clock read and, at most every :data:`MIN_INTERVAL_S` (and always for the
+first report and a changed total), one 96-byte write. The caller reads it with
+:func:`read` (a torn or garbled read is ``None``, never an exception). Outside a rank (nothing
+bound), in a forked child of a rank (a DataLoader worker), or once the run
+directory is gone, a report is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from .rundir import RunDir
+
+MIN_INTERVAL_S = 0.1
+_SIZE = 96
+
+_fd: int | None = None
+_pid = 0
+_last_write = 0.0
+_first: tuple[int, float] | None = None  # (step, wall time) of this process's first report
+_resumed = -1
+_total = -1
+_step = -1
+_disabled = False
+_bound: tuple[str, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one rank last reported (caller side)."""
+
+    rank: int
+    step: int
+    total: int | None  # None: the rank did not say
+    resumed_from: int | None  # the step a checkpoint restore resumed at (None: fresh start)
+    first_step: int  # first reported step of this attempt, and when (wall clock)
+    first_time: float
+    time: float  # wall clock of the last write
+
+    @property
+    def rate(self) -> float | None:
+        """Steps per second since the first report of this attempt (None: too early)."""
+        dt = self.time - self.first_time
+        if dt <= 0 or self.step <= self.first_step:
+            return None
+        return (self.step - self.first_step) / dt
+
+
+def bind(run_dir: str, rank: int) -> None:
+    """In a rank (called by :mod:`gangrun.worker` at start): reports go to this run
+    directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
+    global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step
+    _bound = (run_dir, int(rank), os.getpid())
+    _fd = None
+    _pid = 0
+    _disabled = False
+    _first = None
+    _last_write = 0.0
+    _resumed = _total = _step = -1
+
+
+def _open() -> int | None:
+    global _fd, _pid, _disabled
+    if _fd is not None:
+        if _pid == os.getpid():
+            return _fd
+        _fd = None  # a fork of the rank: not ours to write
+        _disabled = True
+        return None
+    if _disabled or _bound is None or _bound[2] != os.getpid():
+        return None
+    run_dir, rank, pid = _bound
+    try:
+        _fd = os.open(
+            RunDir(run_dir).progress(rank), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+    except OSError:
+        _disabled = True
+        return None
+    _pid = pid
+    return _fd
+
+
+def _write(fd: int, now: float) -> None:
+    global _last_write, _fd, _disabled
+    assert _first is not None
+    line = f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f}"
+    try:
+        os.pwrite(fd, line.ljust(_SIZE - 1).encode() + b"\n", 0)
+    except OSError:  # run directory gone or disk full: reports are best effort
+        os.close(fd)
+        _fd = None
+        _disabled = True
+        return
+    _last_write = time.monotonic()
+
+
+def report_step(step: int, total: int | None = None) -> None:
+    """Report that this rank is at ``step`` (of ``total`` when known). Cheap: call it every
+    step. A no-op outside a gangrun rank."""
+    global _first, _total, _step
+    fd = _open()
+    if fd is None:
+        return
+    step = int(step)
+    new_total = -1 if total is None else int(total)
+    _step = step
+    now = time.time()
+    if _first is None:
+        _first = (step, now)
+    elif new_total == _total and time.monotonic() - _last_write < MIN_INTERVAL_S:
+        return
+    _total = new_total
+    _write(fd, now)
+
+
+def report_resumed(step: int) -> None:
+    """Record that this attempt resumed from a checkpoint at ``step`` (the checkpoint manager
+    calls it after a restore; the next step reported is usually ``step``)."""
+    global _resumed, _first, _step
+    fd = _open()
+    if fd is None:
+        return
+    _resumed = int(step)
+    now = time.time()
+    if _first is None or _step < 0:
+        _step = int(step)
+        _first = (int(step), now)
+    _write(fd, now)
+
+
+def read(run_dir: str, rank: int) -> StepReport | None:
+    """Caller side: rank ``rank``'s last report, or None (nothing reported, or a torn read)."""
+    try:
+        with open(RunDir(run_dir).progress(rank), "rb") as f:
+            raw = f.read(_SIZE)
+        step, total, resumed, first_step, first_time, t = raw.decode().split()
+        return StepReport(
+            rank=rank,
+            step=int(step),
+            total=None if int(total) < 0 else int(total),
+            resumed_from=None if int(resumed) < 0 else int(resumed),
+            first_step=int(first_step),
+            first_time=float(first_time),
+            time=float(t),
+        )
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def read_all(run_dir: str, world_size: int) -> dict[int, StepReport]:
+    """Every rank's last report (ranks that reported nothing are absent)."""
+    out = {}
+    for r in range(world_size):
+        rep = read(run_dir, r)
+        if rep is not None:
+            out[r] = rep
+    return out
+
+
+__all__ = ["StepReport", "report_step", "report_resumed", "read", "read_all", "MIN_INTERVAL_S"]
