@@ -156,7 +156,9 @@ def test_repeat_stops_and_the_error_says_how_many_attempts_ran():
 
 
 def test_exception_before_progress_runs_once():
-    sup = call(lambda g: g.fail(1, "No module named 'x'", exc="ModuleNotFoundError"), max_restarts=3)
+    sup = call(
+        lambda g: g.fail(1, "No module named 'x'", exc="ModuleNotFoundError"), max_restarts=3
+    )
     assert len(sup.outcome.attempts) == 1
     assert "1 attempt ran (max_restarts=3); restarts stopped: ModuleNotFoundError was raised" in (
         str(sup.outcome.error)

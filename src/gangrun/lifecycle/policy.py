@@ -155,8 +155,7 @@ class RestartPolicy:
                 return Verdict(
                     stop,
                     "result",
-                    "the function returned a value that cannot be passed back: every "
-                    "attempt would",
+                    "the function returned a value that cannot be passed back: every attempt would",
                 )
             if (
                 previous is not None
@@ -167,8 +166,7 @@ class RestartPolicy:
                 return Verdict(
                     stop,
                     "repeated",
-                    f"the same {facts.where} failed two attempts in a row: it is certain "
-                    "to repeat",
+                    f"the same {facts.where} failed two attempts in a row: it is certain to repeat",
                 )
             if not facts.progressed and name != "SystemExit":
                 return Verdict(
