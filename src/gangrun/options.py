@@ -115,7 +115,7 @@ class Options:
                 )
         for name in ("restart_backoff", "restart_backoff_max"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < 1e9:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= float(v) < 1e9:
                 raise LaunchError(f"{name} must be a number of seconds >= 0, got {v!r}.")
         if self.gpu_wait is not None and (
             isinstance(self.gpu_wait, bool)

@@ -177,7 +177,9 @@ class RestartPolicy:
                     "such failures retried once)",
                 )
         wait = self.delay(restarts_so_far + 1)
-        what = "hang" if facts.state is State.HUNG else (facts.exc_type or "rank exit")
+        what = facts.exc_type or "an exit without a Python exception"
+        if facts.state is State.HUNG:
+            what = "a hang"
         return Verdict(
             Decision.RESTART,
             "restart",
