@@ -101,6 +101,16 @@ def test_a_killed_rank_is_retried_with_back_off_in_one_mlflow_run(tmp_path, monk
         assert (f["rank"], f["signal"], f["type"]) == (1, "SIGKILL", "DistributedError")
         assert "killed by SIGKILL" in f["message"] and f["time"] > 0
         assert r["last_step"] == 1 and r["resumed_from"] is None
+    # a later call that resumes the run (run_id=) and succeeds: its own attempts, no stale reason
+    again = gangrun.distributed(processes=2, timeout=120, run_id=run.info.run_id)
+    assert again(rel_funcs.visible_devices).distributed(0.0) == ["", ""]
+    tags = client.get_run(run.info.run_id).data.tags
+    assert tags["gangrun.attempts"] == "1" and "gangrun.restarts_stopped" not in tags
+    path = client.download_artifacts(
+        run.info.run_id, "resume1/gangrun_attempts.json", str(tmp_path)
+    )
+    with open(path) as f:
+        assert [r["state"] for r in json.load(f)["attempts"]] == ["succeeded"]
     said = caplog.text
     assert "waiting 1.5s before restart 1" in said and "waiting 3s before restart 2" in said
     assert "restart 1/2 in 1.5s" in said

@@ -13,7 +13,7 @@ import time
 import pytest
 from test_lifecycle import FakeGang, both_return, call
 
-from gangrun.errors import DistributedCancelledError, DistributedTimeoutError
+from gangrun.errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from gangrun.lifecycle.attempts import annotate, attempts_json
 from gangrun.lifecycle.policy import AttemptFacts, Decision, RestartPolicy
 from gangrun.lifecycle.state import State
@@ -197,6 +197,8 @@ def test_cancel_during_the_back_off_ends_promptly(monkeypatch):
     err = sup.outcome.error
     assert isinstance(err, DistributedCancelledError) and sup.outcome.state is State.CANCELLED
     assert "while waiting to restart (restart 1)" in str(err)
+    assert "The attempt before failed: Rank 1 (pid 10000001) was killed by SIGKILL" in str(err)
+    assert isinstance(err.__cause__, DistributedError) and err.__cause__.rank == 1
     assert "1 attempt ran (max_restarts=3)" in str(err)
     assert len(sup.gangs) == 1  # type: ignore[attr-defined]
 

@@ -67,6 +67,7 @@ class Restarts:
         self.timeout = options.timeout  # the call's: a back-off counts within it
         self.call = call  # its run id, function name and attempt number (0: the first)
         self._previous: AttemptFacts | None = None
+        self._last_error: BaseException | None = None  # the failure a back-off follows
         self._launched = 0.0
 
     def launched(self) -> None:
@@ -83,7 +84,7 @@ class Restarts:
         attempt.last_step = max((r.step for r in reports.values()), default=None)
         facts = facts_of(attempt, reports)
         verdict = self.policy.judge(facts, self._previous, restarts)
-        self._previous = facts
+        self._previous, self._last_error = facts, attempt.error
         attempt.decision, attempt.reason = verdict.decision.value, verdict.reason
         attempt.backoff = verdict.backoff if verdict.decision is Decision.RESTART else 0.0
         log.info(
@@ -138,16 +139,21 @@ class Restarts:
     def _ended_waiting(self, state: State, what: str, number: int) -> Attempt:
         name, where = self.call.fn_name, f"while waiting to restart (restart {number})"
         log.info("call %s: %s %s", self.call.run_id, state.value, where)
+        prev = self._last_error
+        after = (str(prev).strip().splitlines() or [""])[0] if prev is not None else ""
+        after = f" The attempt before failed: {after}" if after else ""
         if state is State.CANCELLED:
             err: DistributedError = DistributedCancelledError(
-                f"{name} was {what} {where}; no rank was running.", run_id=self.call.run_id
+                f"{name} was {what} {where}; no rank was running.{after}",
+                run_id=self.call.run_id,
             )
         else:
             err = DistributedTimeoutError(
                 f"{name} did not finish within timeout={what}s (it ran out {where}); no rank "
-                "was running.",
+                f"was running.{after}",
                 run_id=self.call.run_id,
             )
+        err.__cause__ = prev  # what the restart was for
         return Attempt(number, state, err, started=time.time(), ended=time.time())
 
 
@@ -210,9 +216,11 @@ def record_mlflow(tracker: Any, attempts: list[Attempt], final: bool) -> None:
     client, run_id = tracker.client, tracker.run_id
     client.set_tag(run_id, TAG_ATTEMPTS, str(len(attempts)))
     last = attempts[-1]
+    resume = int(getattr(tracker, "resume_number", 0) or 0)
     if final and last.decision == "stop" and last.state in (State.FAILED, State.HUNG):
         client.set_tag(run_id, TAG_RESTART_STOP, last.reason[:5000])
-    resume = int(getattr(tracker, "resume_number", 0) or 0)
+    elif final and resume and TAG_RESTART_STOP in client.get_run(run_id).data.tags:
+        client.delete_tag(run_id, TAG_RESTART_STOP)  # an earlier call's: no longer the story
     name = ARTIFACT if not resume else f"resume{resume}/{ARTIFACT}"
     client.log_text(run_id, attempts_json(attempts), name)
 

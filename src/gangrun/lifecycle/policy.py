@@ -155,7 +155,8 @@ class RestartPolicy:
                 return Verdict(
                     stop,
                     "result",
-                    "the function returned a value that cannot be passed back: every attempt would",
+                    "the function returned a value that cannot be pickled: every attempt "
+                    "would return it again",
                 )
             if (
                 previous is not None
