@@ -30,6 +30,9 @@ class ResumeWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)  # at most one poll of a few small files away
 
     def poll(self) -> None:
         run_dir, world = getattr(self.run, "run_dir", ""), getattr(self.run, "world_size", 0)
