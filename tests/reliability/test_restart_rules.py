@@ -96,6 +96,8 @@ def test_a_killed_rank_is_retried_with_back_off_in_one_mlflow_run(tmp_path, monk
     assert [r["attempt"] for r in rows] == [1, 2, 3]
     assert [r["decision"] for r in rows] == ["restart", "restart", "stop"]
     assert [r["backoff_s"] for r in rows] == [1.5, 3.0, 0.0]
+    waits = [rows[i + 1]["started"] - rows[i]["ended"] for i in range(2)]  # end -> next launch
+    assert waits[0] >= 1.5 and waits[1] >= 3.0, waits
     for r in rows:
         f = r["failure"]
         assert (f["rank"], f["signal"], f["type"]) == (1, "SIGKILL", "DistributedError")

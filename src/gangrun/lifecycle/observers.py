@@ -85,7 +85,9 @@ class MlflowObserver(Observer):
         self.tracker = start(call.tracking, call.stdout)
 
     def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
-        if self.tracker is not None and (state.terminal or state is State.RESTARTING):
+        # with restarts, or on a resumed run (the earlier call's attempts no longer apply)
+        tracked = call.max_restarts > 0 or bool(getattr(self.tracker, "resume_number", 0))
+        if self.tracker is not None and tracked and (state.terminal or state is State.RESTARTING):
             from .attempts import record_mlflow  # every attempt in this one run
 
             try:
