@@ -13,19 +13,20 @@ caller's exit) ends the wait at once, and the call's deadline ends it too.
 from __future__ import annotations
 
 import json
-import logging
 import queue
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import progress
+from .._log import get_logger
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..options import Options
 from .policy import AttemptFacts, Decision, RestartPolicy, Verdict
 from .state import Attempt, CancelRequested, State
 
-log = logging.getLogger("gangrun.lifecycle.restarts")
+# get_logger applies GANGRUN_LOG_LEVEL (DEBUG/INFO: each decision, the back-off, on stderr)
+log = get_logger("gangrun.lifecycle.restarts")
 
 TAG_ATTEMPTS = "gangrun.attempts"  # how many attempts ran (MLflow tag)
 TAG_RESTART_STOP = "gangrun.restarts_stopped"  # why the restarts stopped (a failed call)
