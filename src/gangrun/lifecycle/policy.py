@@ -174,8 +174,8 @@ class RestartPolicy:
                     stop,
                     "no_progress",
                     f"{facts.where} was raised before any rank reported a step or a restore: "
-                    "it is certain to repeat (report steps with gangrun.report_step to have "
-                    "such failures retried once)",
+                    "it is certain to repeat (an exception is retried only once a rank has "
+                    "reported progress: gangrun.report_step, or a checkpoint restore)",
                 )
         wait = self.delay(restarts_so_far + 1)
         what = facts.exc_type or "an exit without a Python exception"
