@@ -49,6 +49,8 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "mlflow": (("--mlflow",), _ON_OFF, "one MLflow run for the call (default: on)"),
     "env": (("--env",), "KEY=VALUE", "extra environment variable for every rank (repeatable)"),
     "max_restarts": (("--max-restarts",), "N", "relaunch the whole gang up to N times after a failure"),
+    "restart_backoff": (("--restart-backoff",), "DURATION", "wait before the first restart, doubled for each next one (default 1s; 0: at once)"),
+    "restart_backoff_max": (("--restart-backoff-max",), "DURATION", "the longest wait between two attempts (default 60s)"),
     "output": (("--output",), _OUTPUTS, "whose output to show (default all; every rank's log is kept)"),
     "max_capture_bytes": (("--max-capture-bytes",), "SIZE", "limit on the pickled script/function (default 1GiB)"),
     "grace_period": (("--grace-period",), "DURATION", "between SIGTERM and SIGKILL when stopping ranks (5s)"),

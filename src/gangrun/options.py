@@ -34,7 +34,11 @@ class Options:
         timeout: seconds for the whole call (default 3 h); ``None`` disables.
         mlflow: one MLflow run per call (default on).
         env: extra environment variables for every rank.
-        max_restarts: relaunch the whole gang up to N times after a failure.
+        max_restarts: relaunch the whole gang up to N times after a failure worth retrying
+            (a failure certain to repeat stops at once: docs/restarts.md).
+        restart_backoff: seconds to wait before the first restart, doubled for each next one
+            (default 1; 0: restart at once).
+        restart_backoff_max: the longest wait between two attempts (default 60 s).
         output: ``"all"`` (every rank, prefixed), ``"rank0"`` or ``"none"``.
         max_capture_bytes: limit on the pickled function and arguments (default 1 GiB).
         grace_period: seconds between SIGTERM and SIGKILL when stopping ranks.
@@ -75,6 +79,9 @@ class Options:
     gpu_wait: float | None = 0.0
     # In a Jupyter kernel: the live panel of each call (off with False or output="none").
     progress: bool = True
+    # Restarts (lifecycle/policy.py): the k-th restart waits backoff * 2**(k-1), at most _max.
+    restart_backoff: float = 1.0
+    restart_backoff_max: float = 60.0
 
     def validate(self) -> Options:
         def _int(name: str, v: Any, low: int) -> None:
@@ -106,6 +113,10 @@ class Options:
                 raise LaunchError(
                     f"{name} must be a positive number of seconds (or None to disable), got {v}."
                 )
+        for name in ("restart_backoff", "restart_backoff_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= float(v) < 1e9:
+                raise LaunchError(f"{name} must be a number of seconds >= 0, got {v!r}.")
         if self.gpu_wait is not None and (
             isinstance(self.gpu_wait, bool)
             or not isinstance(self.gpu_wait, numbers.Real)

@@ -73,6 +73,7 @@ class ErrorRecord:
     pid: int | None = None
     exitcode: int | None = None  # set for SystemExit: the code the rank exits with
     exc: bytes | None = None  # the pickled exception, when it can be rebuilt
+    frame: str | None = None  # the innermost frame of user code: "file:line in function"
 
     @property
     def is_clean_exit(self) -> bool:
@@ -96,9 +97,45 @@ class ErrorRecord:
                 pid=obj.get("pid"),
                 exitcode=obj.get("exitcode"),
                 exc=obj.get("exc"),
+                frame=obj.get("frame"),
             )
         except (TypeError, ValueError):
             return None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    here = os.path.dirname(os.path.abspath(__file__))  # gangrun's own frames
+    dirs = {here + os.sep}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.abspath(path) + os.sep)
+    return tuple(sorted(dirs))
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """The innermost frame of *user* code in ``exc``'s traceback, as ``"file:line in
+    function"``: gangrun's own frames, the standard library, installed packages
+    (``site-packages``/``dist-packages``) and import machinery (``<frozen ...>``) are
+    skipped. ``None`` when no frame is left (the exception never passed through user code)."""
+    import traceback
+
+    libs = _library_dirs()
+    try:
+        frames = traceback.extract_tb(exc.__traceback__)
+    except Exception:  # a traceback that cannot be walked: no frame
+        return None
+    for fs in reversed(frames):
+        name = fs.filename or ""
+        if name.startswith("<frozen") or "site-packages" in name or "dist-packages" in name:
+            continue
+        path = os.path.abspath(name) if not name.startswith("<") else name
+        if path.startswith(libs):
+            continue
+        return f"{name}:{fs.lineno} in {fs.name}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -112,6 +149,7 @@ class RankFailure:
     message: str  # the exception's message, or what is known of the exit
     traceback: str | None  # the rank's formatted traceback when it raised
     time: float = 0.0  # when it failed (time.time())
+    frame: str | None = None  # where in user code it raised: "file:line in function"
 
 
-__all__ = ["RankContext", "ErrorRecord", "RankFailure", "pid_namespace"]
+__all__ = ["RankContext", "ErrorRecord", "RankFailure", "pid_namespace", "user_frame"]

@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable
 
 from . import contract, platform
-from .records import ErrorRecord, RankContext
+from .records import ErrorRecord, RankContext, user_frame
 from .rundir import RunDir
 
 # Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
@@ -142,6 +142,7 @@ def _error_record(
         pid=os.getpid(),
         exitcode=exitcode,
         exc=exc_bytes,
+        frame=user_frame(exc),
     )
 
 

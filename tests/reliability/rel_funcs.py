@@ -152,7 +152,9 @@ def private_files() -> dict:
 
 
 def always_fail() -> None:
-    raise ValueError(f"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} failed")
+    """A failure worth retrying on every attempt (a connection error: not certain to repeat)."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    raise ConnectionResetError(f"attempt {attempt} failed: the data server went away")
 
 
 def raise_on_rank1() -> int:
@@ -204,3 +206,50 @@ class UnprintableError(Exception):
 
 def raise_unprintable() -> None:
     raise UnprintableError("hidden")
+
+
+# ---------------------------------------------------------------- restart rules
+def _note_attempt(log: str) -> int:
+    """Rank 0 appends this attempt's number and start time to ``log`` (the tests count
+    attempts and measure the back-off from it)."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if os.environ["RANK"] == "0":
+        with open(log, "a") as f:
+            f.write(f"{attempt} {time.time():.6f}\n")
+    return attempt
+
+
+def same_line_after_a_step(log: str) -> None:
+    """Every attempt reports a step, then rank 0 raises from the same line (rank 1 waits in a
+    gloo barrier: its error is the echo of rank 0's exit)."""
+    import torch.distributed as dist
+
+    import gangrun
+
+    _note_attempt(log)
+    dist.init_process_group("gloo")
+    gangrun.report_step(1, 10)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        raise ValueError("the loss is nan")  # the same line on every attempt
+    dist.barrier()
+
+
+def import_before_progress(log: str) -> None:
+    _note_attempt(log)
+    import gangrun_no_such_module  # noqa: F401
+
+
+def killed_after_a_step(log: str) -> None:
+    """Every attempt reports a step, then rank 1 SIGKILLs itself (rank 0 waits in a barrier)."""
+    import torch.distributed as dist
+
+    import gangrun
+
+    _note_attempt(log)
+    dist.init_process_group("gloo")
+    gangrun.report_step(1, 10)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()

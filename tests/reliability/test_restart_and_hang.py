@@ -35,12 +35,13 @@ def test_restart_after_rank_killed_mid_training_matches_uninterrupted(tmp_path, 
 
 
 def test_restarts_exhausted_reports_the_last_failure(capfd):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120, max_restarts=2)(
-        rel_funcs.always_fail
-    )
+    fn = gangrun.distributed(
+        processes=2, mlflow=False, timeout=120, max_restarts=2, restart_backoff=0.1
+    )(rel_funcs.always_fail)
     with pytest.raises(DistributedError, match="attempt 2 failed") as ei:
         fn.distributed()
-    assert isinstance(ei.value.__cause__, ValueError)
+    assert isinstance(ei.value.__cause__, ConnectionResetError)
+    assert "3 attempts ran (max_restarts=2); restarts stopped: max_restarts=2" in str(ei.value)
     err = capfd.readouterr().err
     assert "restart 1/2" in err and "restart 2/2" in err
 

@@ -214,3 +214,32 @@ def test_nested_call_fails_fast_in_the_rank_with_no_inner_rank(kernel, tmp_path)
     assert re.search(r"Rank [01] \(pid \d+\) failed: gangrun.errors.LaunchError", tb), tb
     assert float(k.stream(a).split("took", 1)[1]) < 30
     assert not mark.exists()
+
+
+RESUMED = """\
+@distributed(processes=2, timeout=120, mlflow=False, max_restarts=3, restart_backoff=0.1)
+def resumed():
+    import os, signal, time
+    from gangrun import progress, report_step
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        report_step(5)
+        time.sleep(0.5)
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+    progress.report_resumed(5)  # what the checkpoint manager reports after a restore
+    time.sleep(2.5)  # the panel reads the step reports about once a second
+    return 1
+resumed.distributed()
+"""
+
+
+def test_panel_shows_the_attempt_and_the_step_it_resumed_from(kernel):
+    k = kernel
+    a = k.execute(RESUMED)
+    assert k.error(a) is None, k.error(a)
+    htmls = [m["content"]["data"]["text/html"] for m in _panel_msgs(k, a)]
+    assert any("attempt 1/4" in h and "resumed from" not in h for h in htmls)
+    assert "attempt 2/4, resumed from step 5" in htmls[-1]
+    assert 'data-final="FINISHED"' in htmls[-1]
+    assert run_processes(k.pid) == []

@@ -348,3 +348,20 @@ def test_runtime_env_ships_working_dir(cluster, tmp_path):
     out = fn(uses_shipped_module).distributed()
     assert [o[:2] for o in out] == [(42, "yes"), (42, "yes")]
     assert all(o[2].startswith("_ray_pkg_") for o in out)  # the ranks run in the shipped copy
+
+
+def step_then_raise() -> None:
+    import gangrun
+
+    gangrun.report_step(1)  # written on the rank's node: the caller reads it for the rules
+    raise ValueError("the same line on every attempt")
+
+
+def test_step_reports_reach_the_restart_rules(cluster):
+    """An exception after progress is retried once (then it repeats at the same line): the
+    ranks' step reports came back from their nodes (without them: no progress, 1 attempt)."""
+    fn = distributed(**_opts(cluster, mlflow=False, max_restarts=3, restart_backoff=0.1))
+    with pytest.raises(DistributedError) as ei:
+        fn(step_then_raise).distributed()
+    text = str(ei.value)
+    assert "2 attempts ran (max_restarts=3); restarts stopped: the same ValueError at " in text

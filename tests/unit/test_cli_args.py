@@ -68,6 +68,8 @@ FLAG_CASES = [
     (["--mlflow"], "mlflow", True),
     (["--env", "A=1", "--env", "B=x=y"], "env", {"A": "1", "B": "x=y"}),
     (["--max-restarts", "2"], "max_restarts", 2),
+    (["--restart-backoff", "0"], "restart_backoff", 0.0),
+    (["--restart-backoff-max", "2m"], "restart_backoff_max", 120.0),
     (["--output", "rank0"], "output", "rank0"),
     (["--max-capture-bytes", "2GiB"], "max_capture_bytes", 2 << 30),
     (["--max-capture-bytes", "1000"], "max_capture_bytes", 1000),

@@ -77,10 +77,26 @@ class FakeGang:
         serialization.atomic_dump(value, os.path.join(self.spec.run_dir, f"result.{rank}.pkl"))
         self.exit(rank, 0)
 
+    def step(self, rank: int, step: int, resumed: int = -1) -> None:
+        """What ``gangrun.report_step`` (and ``report_resumed``) leave: ``progress.<rank>``."""
+        now = time.time()
+        line = f"{step} -1 {resumed} {step} {now:.6f} {now:.6f}".ljust(95) + "\n"
+        with open(os.path.join(self.spec.run_dir, f"progress.{rank}"), "w") as f:
+            f.write(line)
+
     def fail(
-        self, rank: int, msg: str, *, code: int = 1, exc: str = "ValueError", at: float = 0.0
+        self,
+        rank: int,
+        msg: str,
+        *,
+        code: int = 1,
+        exc: str = "ValueError",
+        at: float = 0.0,
+        frame: str | None = None,
     ) -> None:
-        rec = ErrorRecord(rank, exc, msg, f"Traceback...\n{exc}: {msg}\n", at or time.time())
+        rec = ErrorRecord(
+            rank, exc, msg, f"Traceback...\n{exc}: {msg}\n", at or time.time(), frame=frame
+        )
         if exc == "SystemExit":
             rec = replace(rec, exitcode=code)
         serialization.atomic_dump(rec, os.path.join(self.spec.run_dir, f"error.{rank}.pkl"))
@@ -104,6 +120,7 @@ def call(*scripts: Script, n: int = 2, observers=None, **opts) -> Supervisor:
     opts.setdefault("processes", n)
     opts.setdefault("mlflow", False)
     opts.setdefault("grace_period", 0.1)
+    opts.setdefault("restart_backoff", 0.0)
     o = Options(**opts).validate()
     attempts: list[FakeGang] = []
 
@@ -193,7 +210,7 @@ def test_clean_sys_exit_everywhere_is_success_but_early_exit_is_the_root_cause()
 
 
 def test_restart_then_success_prints_a_notice():
-    sup = call(lambda g: g.fail(1, "flaky"), both_return, max_restarts=2)
+    sup = call(lambda g: (g.step(1, 3), g.fail(1, "flaky")), both_return, max_restarts=2)
     assert sup.result() == ["a", "b"]
     states = [a.state for a in sup.outcome.attempts]
     assert states == [State.FAILED, State.SUCCEEDED]
@@ -202,7 +219,7 @@ def test_restart_then_success_prints_a_notice():
 
 
 def test_restarts_exhausted():
-    sup = call(lambda g: g.fail(0, "always"), max_restarts=1)
+    sup = call(lambda g: (g.step(0, 3), g.fail(0, "always")), max_restarts=1)
     assert sup.outcome.state is State.FAILED and len(sup.outcome.attempts) == 2
     assert sup.outcome.mlflow_status == "FAILED"
 

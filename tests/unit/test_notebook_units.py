@@ -175,6 +175,38 @@ def test_panel_html_escapes_and_holds_rows_and_chart():
     assert html.svg_chart({}) == ""
 
 
+def test_panel_shows_the_attempt_and_the_resumed_step(tmp_path):
+    import os
+    import time
+
+    from gangrun.notebook.resumed import ResumeWatch
+
+    st = CallState("train", "r1", max_restarts=3)
+    st.starting(2)
+    st.attempt_started(1)
+    run = types.SimpleNamespace(run_dir=str(tmp_path), world_size=2)
+    watch = ResumeWatch(st, run)
+    watch.poll()  # nothing reported yet
+    out = html.render_panel(st.snapshot)
+    assert "attempt 2/4" in out and "resumed from" not in out
+    now = time.time()  # what progress.report_resumed(1200) leaves in progress.<rank>
+    for r in (0, 1):
+        line = f"1200 -1 1200 1200 {now:.6f} {now:.6f}".ljust(95) + "\n"
+        with open(os.path.join(tmp_path, f"progress.{r}"), "w") as f:
+            f.write(line)
+    watch.poll()
+    assert st.snapshot.resumed_from == 1200
+    assert "attempt 2/4, resumed from step 1200" in html.render_panel(st.snapshot)
+    st.attempt_started(2)  # the next attempt: not resumed until it reports
+    assert st.snapshot.resumed_from is None
+    solo = CallState("train", "r2")
+    solo.starting(1)
+    solo.attempt_started(0)
+    solo.resumed(7)
+    assert " · resumed from step 7" in html.render_panel(solo.snapshot)
+    assert "attempt" not in html.render_panel(solo.snapshot)
+
+
 def test_error_html_root_cause_first_others_folded():
     err = DistributedError("Rank 1 failed: ValueError: <bad>\n\ntrace", rank=1, exitcode=1)
     f = types.SimpleNamespace(

@@ -38,6 +38,8 @@ def gpus(monkeypatch):
         ({"timeout": "1h"}, "timeout must be a number"),
         ({"output": "rank1"}, "output must be one of"),
         ({"max_restarts": -1}, "max_restarts must be >= 0"),
+        ({"restart_backoff": -1}, "restart_backoff must be a number of seconds >= 0"),
+        ({"restart_backoff_max": "1m"}, "restart_backoff_max must be a number of seconds"),
         ({"gpu_type": ""}, "gpu_type must be a non-empty string"),
         ({"env": {"A=B": "x"}}, "invalid variable name"),
         ({"env": {"X": None}}, "must be a string"),

@@ -85,6 +85,15 @@ class MlflowObserver(Observer):
         self.tracker = start(call.tracking, call.stdout)
 
     def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        # with restarts, or on a resumed run (the earlier call's attempts no longer apply)
+        tracked = call.max_restarts > 0 or bool(getattr(self.tracker, "resume_number", 0))
+        if self.tracker is not None and tracked and (state.terminal or state is State.RESTARTING):
+            from .attempts import record_mlflow  # every attempt in this one run
+
+            try:
+                record_mlflow(self.tracker, outcome.attempts, final=state.terminal)
+            except Exception as exc:
+                print(f"gangrun: could not record the attempts on MLflow: {exc}", file=call.stderr)
         if state.terminal and self.tracker is not None:
             status = outcome.mlflow_status or "FAILED"
             try:
@@ -101,11 +110,13 @@ class NoticeObserver(Observer):
 
     def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
         if state is State.RESTARTING and outcome.attempts:
-            err = outcome.attempts[-1].error
+            last = outcome.attempts[-1]
+            err = last.error
             first = str(err.args[0]).splitlines()[0] if err is not None and err.args else ""
+            wait = f" in {last.backoff:g}s" if last.backoff > 0 else ""
             print(
                 f"gangrun: {first} Restarting the gang (restart {call.attempt + 1}/"
-                f"{call.max_restarts}).",
+                f"{call.max_restarts}){wait}.",
                 file=call.stderr,
             )
 

@@ -86,6 +86,7 @@ def failure_of(c: Candidate) -> RankFailure:
             message=rec.message if not rec.is_clean_exit else _early(code),
             traceback=rec.traceback or None,
             time=c.time,
+            frame=rec.frame,
         )
     sig = signal_name(code)
     what = f"killed by {sig}" if sig else _early(code) if code == 0 else f"exited with code {code}"

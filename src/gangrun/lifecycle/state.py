@@ -48,7 +48,8 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.LAUNCHING: frozenset({State.RUNNING, State.FAILED, State.CANCELLED}),
     State.RUNNING: frozenset({State.STOPPING, State.FAILED}),
     State.STOPPING: _TERMINAL | {State.RESTARTING},
-    State.RESTARTING: frozenset({State.LAUNCHING, State.FAILED, State.CANCELLED}),
+    # a back-off wait (lifecycle/attempts.py) may end in a cancel or the call's deadline
+    State.RESTARTING: frozenset({State.LAUNCHING, State.FAILED, State.CANCELLED, State.TIMED_OUT}),
 }
 
 # What each terminal state means for the MLflow run.
@@ -107,6 +108,14 @@ class Attempt:
     state: State = State.RUNNING  # the state it ended in (RUNNING while it runs)
     error: BaseException | None = None
     failures: dict[int, RankFailure] = field(default_factory=dict)
+    # filled in by lifecycle/attempts.py once it ended: when, the ranks' progress, what next
+    started: float = 0.0  # time.time() of the launch, and of the end
+    ended: float = 0.0
+    resumed_from: int | None = None  # the step a restore resumed at (progress reports)
+    last_step: int | None = None  # the highest step a rank reported
+    decision: str = ""  # "restart" or "stop", and why (policy.Verdict)
+    reason: str = ""
+    backoff: float = 0.0  # seconds waited before the next attempt
 
 
 @dataclass

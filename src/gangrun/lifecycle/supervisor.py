@@ -26,6 +26,7 @@ from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
 from . import calls
+from .attempts import Restarts, annotate
 from .collect import RankFiles
 from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
 from .plan import (
@@ -35,7 +36,7 @@ from .plan import (
     rank_specs,
     tracking_info,
 )
-from .policy import Decision, RestartPolicy
+from .policy import Decision
 from .seams import GangFactory, Planner, PumpFactory, QueueItem, default_planner, make_pump
 from .state import (
     Attempt,
@@ -82,7 +83,6 @@ class Supervisor:
         self._gang_factory, self._planner, self._pump_factory = gang_factory, planner, pump_factory
         self.outcome = Outcome()
         self._machine = StateMachine(self.outcome, self._notify)
-        self._policy = RestartPolicy(options.max_restarts)
         self._mlflow: MlflowObserver | None = None
         if observers is None:
             observers = [NoticeObserver()]
@@ -97,6 +97,7 @@ class Supervisor:
         self._files: RankFiles
         self.call = CallInfo("", getattr(fn, "__qualname__", repr(fn)), stdout=self.stdout)
         self.call.stderr, self.call.max_restarts = self.stderr, options.max_restarts
+        self._restarts = Restarts(options, self.call)  # the rules: lifecycle/policy.py
         self.gang: Gang | None = None
         self.pump: OutputPump | None = None
         self._gang_open = False
@@ -289,6 +290,7 @@ class Supervisor:
         self.gang = self._gang_factory(spec, self.pump, events)
         self._gang_open = True
         self.gang.start()
+        self._restarts.launched()
         self._machine.to(State.RUNNING)
 
     # ---------------------------------------------------------------- monitor
@@ -297,14 +299,20 @@ class Supervisor:
             while True:
                 attempt = self._watch_attempt()
                 self.outcome.attempts.append(attempt)
-                restart = self._policy.decide(attempt.state, self.call.attempt)
-                if restart is Decision.RESTART and self._cancel_reason is None:
+                assert self.rundir is not None  # progress is read before the files are cleared
+                verdict = self._restarts.after(attempt, self.rundir.path, self.world_size)
+                if verdict.decision is Decision.RESTART and self._cancel_reason is None:
                     self._machine.to(State.RESTARTING)
-                    self.call.attempt += 1
-                    assert self.rundir is not None
-                    self.rundir.clear_attempt()
-                    self._launch_attempt()
-                    continue
+                    waited = self._restarts.back_off(
+                        verdict.backoff, self._events, lambda: self._cancel_reason, self._started
+                    )
+                    if waited is None:
+                        self.call.attempt += 1
+                        self.rundir.clear_attempt()
+                        self._launch_attempt()
+                        continue
+                    attempt = waited  # cancelled or out of time while waiting to restart
+                annotate(attempt.error, self.outcome.attempts, self.opts.max_restarts)
                 self._end(attempt)
                 return
         except BaseException as exc:  # a bug in gangrun itself: the call still ends, cleanly

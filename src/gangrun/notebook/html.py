@@ -123,6 +123,8 @@ def render_panel(snap: CallSnapshot, series: Series | None = None) -> str:
     """The panel of one call: header, one row per rank, the metrics chart."""
     state = snap.final or ("running" if snap.attempt or snap.message == "running" else "starting")
     attempt = f" · attempt {snap.attempt + 1}/{snap.max_restarts + 1}" if snap.max_restarts else ""
+    if snap.resumed_from is not None:  # "attempt 2/4, resumed from step 1200"
+        attempt += f"{',' if attempt else ' ·'} resumed from step {snap.resumed_from}"
     head = [
         f"<b>{escape(snap.fn_name)}</b>",
         _badge(state),

@@ -26,6 +26,9 @@ class PanelObserver(Observer):
     def __init__(self, state: CallState, run: Any) -> None:
         self.state, self.run = state, run
         self._tracked = False
+        from .resumed import ResumeWatch
+
+        self._resume = ResumeWatch(state, run)  # "resumed from step N" from the step reports
 
     def on_plan(self, call: CallInfo) -> None:
         self.state.starting(call.world_size, call.run_id)  # before the slow parts (MLflow)
@@ -38,7 +41,9 @@ class PanelObserver(Observer):
                 self._tracked = True
                 cs.tracking(tracker.run_id, tracker.tracking_uri, tracker.experiment_id)
             cs.attempt_started(call.attempt)
+            self._resume.start()
         elif state.terminal:
+            self._resume.stop()
             cs.ended(outcome.mlflow_status or "FAILED", outcome.error)
 
     def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:

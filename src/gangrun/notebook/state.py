@@ -50,6 +50,7 @@ class CallSnapshot:
     final: str | None = None  # FINISHED / FAILED / KILLED once the call ended
     message: str = ""  # one line: "starting 2 ranks…", the failure's first line
     ended_at: float | None = None
+    resumed_from: int | None = None  # the step this attempt resumed at (a checkpoint restore)
 
     @property
     def elapsed(self) -> float:
@@ -120,7 +121,12 @@ class CallState:
 
     def attempt_started(self, attempt: int) -> None:
         ranks = tuple(RankView(r, "running") for r in range(self._snap.world_size))
-        self._set(attempt=attempt, ranks=ranks, message="running")
+        self._set(attempt=attempt, ranks=ranks, message="running", resumed_from=None)
+
+    def resumed(self, step: int) -> None:
+        """The running attempt resumed from a checkpoint at ``step`` (its step reports)."""
+        if self._snap.resumed_from != step:
+            self._set(resumed_from=step)
 
     def rank_line(self, rank: int, text: str) -> None:
         text = text.strip()

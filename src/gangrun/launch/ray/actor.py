@@ -225,10 +225,14 @@ class RankActor:
             return {"out": out, "err": err, "exit": self._code if done else None}
 
     def files(self) -> dict[str, bytes]:
-        """The rank's result/error file (whichever it wrote)."""
+        """The rank's result/error file (whichever it wrote), and its step report."""
         rd = RunDir(self.dir)
         got: dict[str, bytes] = {}
-        for kind, path in (("result", rd.result(self.rank)), ("error", rd.error(self.rank))):
+        for kind, path in (
+            ("result", rd.result(self.rank)),
+            ("error", rd.error(self.rank)),
+            ("progress", rd.progress(self.rank)),  # the caller's restart rules read it
+        ):
             try:
                 with open(path, "rb") as f:
                     got[kind] = f.read()

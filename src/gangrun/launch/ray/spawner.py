@@ -67,9 +67,9 @@ class RayProcess:
             try:
                 files = ray.get(actor.files.remote(), timeout=120)
                 rd = RunDir(self.spawner.run_dir)
+                paths = {"result": rd.result, "error": rd.error, "progress": rd.progress}
                 for kind, data in files.items():
-                    path = rd.result(self.rank) if kind == "result" else rd.error(self.rank)
-                    _write_file(path, data)
+                    _write_file(paths[kind](self.rank), data)
             except Exception as exc:
                 if code == 0:
                     lost, code = exc, None
