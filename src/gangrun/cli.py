@@ -20,11 +20,15 @@ SIGTERM, 2 when nothing could be started (bad arguments, no GPU...).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import runpy
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Any
 
 EXIT_LAUNCH = 2
@@ -42,6 +46,8 @@ class ScriptTarget:
         self.__name__ = self.__qualname__ = target
         # The script's text travels too: on another node (backend="ray") the path may not exist.
         self.source: bytes | None = None
+        # The file the MLflow run names as its source (mlflow.source.name, and its git commit).
+        self.source_file: str = self.target if not module else _module_file(target)
         if not module:
             with open(self.target, "rb") as f:
                 self.source = f.read()
@@ -70,6 +76,26 @@ class ScriptTarget:
     def __repr__(self) -> str:
         kind = "-m " if self.module else ""
         return f"<script {kind}{self.target} {' '.join(self.argv)}>".replace(" >", ">")
+
+
+def _module_file(name: str) -> str:
+    """The file ``python -m name`` would run, found without importing anything (so a
+    package's ``__init__`` does not run in the caller); the module name when not found."""
+    import importlib.machinery
+
+    top, *rest = name.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path])
+    origin = spec.origin if spec is not None else None
+    if not origin or not os.path.isfile(origin):
+        return name
+    if not rest:
+        main = os.path.join(os.path.dirname(origin), "__main__.py")
+        return main if origin.endswith("__init__.py") and os.path.isfile(main) else origin
+    base = os.path.join(os.path.dirname(origin), *rest)
+    for path in (base + ".py", os.path.join(base, "__main__.py")):
+        if os.path.isfile(path):
+            return path
+    return name
 
 
 def exit_code_for(err: BaseException) -> int:
@@ -109,8 +135,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     )
     p.add_argument("--version", action="version", version=f"gangrun {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,info}")
+    # No abbreviated flags: a prefix would be taken for an option here, or split the
+    # command line wrongly (its value taken for the script); a misspelling gets "did you mean".
     run = sub.add_parser(
         "run",
+        allow_abbrev=False,
         help="run a script (or -m module) on every rank",
         description="Run a script on every rank, as `python script.py args` would. Options not "
         "given here come from GANGRUN_<OPTION> variables, then the built-in defaults.",
@@ -122,6 +151,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     run.add_argument("target", nargs="*", help="script.py [args...]")
     info = sub.add_parser(
         "info",
+        allow_abbrev=False,
         help="show the GPUs, the effective defaults and the environment of a rank",
         description="Show the GPUs found (free memory, other processes), the option defaults "
         "in force and where each comes from, and the environment rank 0 would get.",
@@ -208,12 +238,10 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         handle.result()
         return 0
     except DistributedError as exc:
-        hint = (
-            ""
-            if opts.log_dir
-            else "\n(the logs go away with this command: --log-dir DIR keeps them)"
-        )
-        print(f"gangrun: {speak_cli(exc)}{hint if exc.rank is not None else ''}", file=sys.stderr)
+        text = speak_cli(exc)
+        if handle is not None:
+            text = with_log_paths(text, handle._run.log_files(), handle.run_id, bool(opts.log_dir))
+        print(f"gangrun: {text}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         if handle is not None:
@@ -227,6 +255,39 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+_LOGS_LINE = re.compile(r"Full logs: err\.logs\(rank\), or the files in \S+")
+
+
+def with_log_paths(text: str, files: dict[int, str], run_id: str, kept: bool) -> str:
+    """A failure's message for a shell: its ``Full logs: err.logs(rank)`` line (which means
+    nothing there) becomes the paths of the rank logs. Without ``--log-dir`` they would go
+    away with this command, so they are first moved to a private directory that stays."""
+    if not files or not _LOGS_LINE.search(text):
+        return text
+    if not kept:
+        where = tempfile.mkdtemp(prefix=f"gangrun-logs-{run_id}-")  # 0700, this user's
+        moved = {}
+        for rank, path in sorted(files.items()):
+            dest = os.path.join(where, os.path.basename(path))
+            try:
+                shutil.move(path, dest)
+            except OSError:  # a rank that never started has no log: nothing to keep
+                continue
+            moved[rank] = dest
+        files = moved
+        if not files:
+            return text
+    rank_of = re.search(r"^Rank (\d+)", text) or re.search(r"rank\(s\) (\d+)", text)
+    first = int(rank_of.group(1)) if rank_of and int(rank_of.group(1)) in files else min(files)
+    folder = os.path.dirname(files[first])
+    line = f"Full logs: {files[first]} (rank {first})"
+    if len(files) > 1:
+        line += f"; every rank's rank-N.log is in {folder}"
+    if not kept:
+        line += " (kept after this command; --log-dir DIR puts them where you choose)"
+    return _LOGS_LINE.sub(lambda _: line, text, count=1)
 
 
 _SHOWN = (
@@ -293,11 +354,19 @@ def cmd_info(ns: argparse.Namespace) -> int:
     if opts is not None and opts.backend == "ray":
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     elif opts is not None:
+        shown = opts
+        if not devs and opts.gpus is None and opts.processes is None:
+            # A call here needs --processes N; show what a rank of such a call would see.
+            shown = dataclasses.replace(opts, processes=1)
+            note = (
+                "no GPU found: a call here needs --processes N (or GANGRUN_PROCESSES); "
+                "the environment shown is that of --processes 1"
+            )
         try:
-            plan = plan_local(lambda: None, opts)  # what a call would do; reserves no GPU
+            plan = plan_local(lambda: None, shown)  # what a call would do; reserves no GPU
             want = plan.gpus_wanted
             devices = plan.devices[:want] if isinstance(want, int) else plan.devices
-            env = rank_specs(plan, opts, run_dir="<run dir>", devices=devices)[0].env
+            env = rank_specs(plan, shown, run_dir="<run dir>", devices=devices)[0].env
             rank_env = {k: env[k] for k in _SHOWN if k in env}
             report["world_size"] = plan.world_size
         except DistributedError as exc:
@@ -372,10 +441,36 @@ def _valued_flags(parser: argparse.ArgumentParser) -> set[str]:
     }
 
 
+def _unknown_flag(parser: argparse.ArgumentParser, args: list[str]) -> str | None:
+    """The first ``--flag`` in ``args`` that ``parser`` does not know (nor abbreviates), with
+    a "did you mean" when a known flag is close, as the Python API does for options."""
+    # every spelling -> the flag the help shows first (--nproc -> --processes)
+    known = {f: action.option_strings[0] for action in parser._actions for f in action.option_strings}
+    for a in args:
+        if a == "--":
+            break
+        if not a.startswith("--") or len(a) < 3:
+            continue
+        flag = a.split("=", 1)[0]
+        if flag in known:
+            continue
+        close = difflib.get_close_matches(flag, [k for k in known if k.startswith("--")], n=1)
+        best = close[0] if close and close[0].startswith("--no-") else known.get(close[0], "") if close else ""
+        hint = f"did you mean {best}?" if close else f"{parser.prog} --help lists them"
+        return f"unrecognized argument {flag} ({hint})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        top, run_parser, _ = _parsers()
+        top, run_parser, info_parser = _parsers()
+        sub = {"run": run_parser, "info": info_parser}.get(args[0]) if args else None
+        if sub is not None:
+            ours = _split_run(args[1:], _valued_flags(run_parser))[0] if sub is run_parser else args[1:]
+            unknown = _unknown_flag(sub, ours)
+            if unknown:
+                sub.error(unknown)  # the subcommand's usage, exit 2
         if args and args[0] == "run":
             ours, theirs, module = _split_run(args[1:], _valued_flags(run_parser))
             ns = top.parse_args(["run", *ours])

@@ -201,6 +201,8 @@ def tracking_info(
         "args": call_arguments(fn, args, dict(kwargs)),  # by parameter name
         "run_id": plan.run_id,
         "options": opts,  # experiment_name, run_name, run_id, tags, log_system_metrics
+        # the file the call runs, when the callable names it (gangrun run: the script)
+        "source": getattr(fn, "source_file", None),
     }
     if plan.backend == "ray":
         info["backend"] = "ray"

@@ -122,7 +122,7 @@ class Tracker:
         tags.update({str(k): str(v) for k, v in (getattr(opts, "tags", None) or {}).items()})
         resume = plan.resume_run
         if resume is None:
-            tags = {**context_tags(), **tags}
+            tags = {**context_tags(info.get("source")), **tags}
             run = client.create_run(
                 experiment_id=plan.experiment_id, tags=tags, run_name=plan.run_name
             )

@@ -211,8 +211,12 @@ def plan_run(opts: Any, info: Mapping[str, Any], mlflow: Any, client: Any, uri: 
     return RunPlan(uri, exp_id, run_name or str(info.get("function")), parent_run_id=parent_id)
 
 
-def context_tags() -> dict[str, str]:
-    """The source tags MLflow's fluent ``start_run`` would add: user, source, git commit."""
+def context_tags(source: str | None = None) -> dict[str, str]:
+    """The source tags MLflow's fluent ``start_run`` would add: user, source, git commit.
+
+    ``source``: the file the call runs (``gangrun run script.py``: the script, not the
+    ``gangrun`` executable); default the caller's ``sys.argv[0]``, as MLflow does. The commit
+    is that of the git repository holding that file, or no tag when it is in none."""
     tags: dict[str, str] = {"mlflow.source.type": "LOCAL"}
     try:
         import getpass
@@ -220,7 +224,8 @@ def context_tags() -> dict[str, str]:
         tags["mlflow.user"] = getpass.getuser()
     except Exception:  # no user name for this uid (some containers): MLflow leaves it out too
         pass
-    source = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if not source:
+        source = sys.argv[0] if sys.argv and sys.argv[0] else ""
     if source:
         tags["mlflow.source.name"] = source
     if "ipykernel" in sys.modules:
