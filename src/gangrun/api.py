@@ -107,7 +107,8 @@ class RunHandle(Generic[R]):
 class DistributedFunction(Generic[P, R]):
     """A function that runs on every rank with ``.distributed()`` / ``.submit()``.
 
-    Calling it directly still runs the plain function in this process.
+    Calling it directly still runs the plain function in this process, as a world of one
+    (``RANK=0``, ``WORLD_SIZE=1``, ... for the call's duration).
     """
 
     def __init__(
@@ -142,7 +143,13 @@ class DistributedFunction(Generic[P, R]):
         return self._options
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self._fn(*args, **kwargs)
+        """Run the plain function in this process, as rank 0 of a world of one: the torchrun
+        variables are set for the call's duration, so ``init_process_group`` works, and a
+        process group it leaves initialised is destroyed when it returns (`gangrun.plain`)."""
+        from .plain import world_of_one
+
+        with world_of_one():
+            return self._fn(*args, **kwargs)
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""

@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "gangrun.__main__": API,
     "gangrun.api": API,
     "gangrun.defaults": API,
+    "gangrun.plain": API,  # a plain call of a decorated function: a world of one
     "gangrun.cli": API,
     "gangrun.cli_options": API,
     "gangrun.compat": API,
