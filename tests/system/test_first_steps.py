@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+import uuid
 
 import pytest
 
@@ -57,3 +57,63 @@ def test_plain_call_is_a_world_of_one_twice(script):
     assert got["initialized"] is False  # the group the plain call left was destroyed
     assert [r[:3] for r in got["distributed"]] == [[0, 2, 3.0], [1, 2, 3.0]]
     assert_no_survivors(proc.pid)
+
+
+def _gangrun(tmp_path, *args, env=None):
+    env = dict(env or os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gangrun", *args],
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    out, err = proc.communicate(timeout=120)
+    assert_no_survivors(proc.pid)
+    return proc.returncode, out, err
+
+
+SILENT_DEATH = """
+import os, signal, time
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)  # no output, no exception
+time.sleep(30)
+"""
+
+
+def test_cli_failure_message_has_no_gap_and_names_kept_log_files(tmp_path):
+    (tmp_path / "die.py").write_text(SILENT_DEATH)
+    code, _, err = _gangrun(tmp_path, "run", "--processes", "2", "--no-mlflow", "die.py")
+    assert code == 128 + 9, err
+    assert "\n\n\n" not in err, err  # items 9 and 10
+    assert "err.logs" not in err
+    line = err.split("Full logs: ", 1)[1]
+    path = line.split(" (rank 1)")[0]
+    assert path.endswith("rank-1.log") and os.path.isfile(path), line
+    assert os.path.isfile(os.path.join(os.path.dirname(path), "rank-0.log"))
+    assert path.startswith(str(tmp_path / "gangrun-logs-"))
+
+
+def _source_tags(tmp_path, script) -> dict[str, str]:
+    mlflow = pytest.importorskip("mlflow")
+    name = f"source-{uuid.uuid4().hex}"  # in the session's store (created once: conftest)
+    code, out, err = _gangrun(
+        tmp_path, "run", "--processes", "1", "--experiment-name", name, str(script)
+    )
+    assert code == 0, err
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert len(runs) == 1
+    return {k: v for k, v in runs[0].data.tags.items() if k.startswith("mlflow.source")}
+
+
+def test_cli_run_source_is_the_users_script_not_gangrun(tmp_path):
+    # the commit of a script's own repository: tests/unit/test_first_steps.py
+    pytest.importorskip("git")
+    loose = tmp_path / "loose"  # in no git repository
+    loose.mkdir()
+    (loose / "train.py").write_text("print('hi')\n")
+    tags = _source_tags(loose, loose / "train.py")
+    assert tags["mlflow.source.name"] == str(loose / "train.py")
+    assert "mlflow.source.git.commit" not in tags  # not gangrun's own checkout's
