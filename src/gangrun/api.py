@@ -153,9 +153,11 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
+        from . import _log
         from .lifecycle import Supervisor
         from .notebook import checks, session
 
+        _log.configure()  # GANGRUN_LOG_LEVEL, once per process
         checks.refuse_nested()  # inside a rank: fail there, start no inner gang
         checks.bind_arguments(self._fn, args, kwargs)  # a misspelled argument: no rank starts
         opts = self._options.validate()

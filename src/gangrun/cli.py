@@ -445,7 +445,9 @@ def _unknown_flag(parser: argparse.ArgumentParser, args: list[str]) -> str | Non
     """The first ``--flag`` in ``args`` that ``parser`` does not know (nor abbreviates), with
     a "did you mean" when a known flag is close, as the Python API does for options."""
     # every spelling -> the flag the help shows first (--nproc -> --processes)
-    known = {f: action.option_strings[0] for action in parser._actions for f in action.option_strings}
+    known = {
+        f: action.option_strings[0] for action in parser._actions for f in action.option_strings
+    }
     for a in args:
         if a == "--":
             break
@@ -455,7 +457,13 @@ def _unknown_flag(parser: argparse.ArgumentParser, args: list[str]) -> str | Non
         if flag in known:
             continue
         close = difflib.get_close_matches(flag, [k for k in known if k.startswith("--")], n=1)
-        best = close[0] if close and close[0].startswith("--no-") else known.get(close[0], "") if close else ""
+        best = (
+            close[0]
+            if close and close[0].startswith("--no-")
+            else known.get(close[0], "")
+            if close
+            else ""
+        )
         hint = f"did you mean {best}?" if close else f"{parser.prog} --help lists them"
         return f"unrecognized argument {flag} ({hint})"
     return None
@@ -467,7 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         top, run_parser, info_parser = _parsers()
         sub = {"run": run_parser, "info": info_parser}.get(args[0]) if args else None
         if sub is not None:
-            ours = _split_run(args[1:], _valued_flags(run_parser))[0] if sub is run_parser else args[1:]
+            ours = (
+                _split_run(args[1:], _valued_flags(run_parser))[0]
+                if sub is run_parser
+                else args[1:]
+            )
             unknown = _unknown_flag(sub, ours)
             if unknown:
                 sub.error(unknown)  # the subcommand's usage, exit 2

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -79,7 +80,9 @@ def test_misspelled_flag_did_you_mean_with_its_subcommands_usage(argv, suggestio
 
 def test_unknown_flag_with_nothing_close_points_to_help(capsys):
     assert main(["run", "--xyzzy", "t.py"]) == 2
-    assert "unrecognized argument --xyzzy (gangrun run --help lists them)" in capsys.readouterr().err
+    assert (
+        "unrecognized argument --xyzzy (gangrun run --help lists them)" in capsys.readouterr().err
+    )
 
 
 def test_script_flags_are_the_scripts(tmp_path, capsys):
@@ -127,7 +130,7 @@ def test_cli_failure_shows_kept_log_paths(tmp_path, monkeypatch):
     assert "err.logs" not in text
     line = text.splitlines()[-1]
     kept = line.split("Full logs: ", 1)[1].split(" (rank 1)")[0]
-    assert kept.endswith("rank-1.log") and open(kept).read() == "log of rank 1\n"
+    assert kept.endswith("rank-1.log") and Path(kept).read_text() == "log of rank 1\n"
     assert os.path.dirname(kept).startswith(str(tmp_path / "tmp" / "gangrun-logs-r1-"))
     assert oct(os.stat(os.path.dirname(kept)).st_mode & 0o777) == "0o700"
     assert f"every rank's rank-N.log is in {os.path.dirname(kept)}" in line

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-IMPORT_CONFTEST = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import conftest; print(conftest._SESSION_TMP)"
+IMPORT_CONFTEST = (
+    f"import sys; sys.path.insert(0, {str(TESTS)!r}); import conftest; print(conftest._SESSION_TMP)"
+)
 
 
 def _import_conftest(tmp: Path, **extra: str) -> str:
