@@ -27,6 +27,7 @@ _thread: threading.Thread | None = None
 CALL_MODULES = (
     "cloudpickle",
     "psutil",
+    "gangrun._log",
     "gangrun.lifecycle.supervisor",
     "gangrun.launch.gang",
     "gangrun.launch.limits",
