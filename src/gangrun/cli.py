@@ -14,7 +14,9 @@ arguments) on every rank, with the same guarantees as ``@distributed``: torchrun
 environment, live ``[rank N]`` output, fail-fast teardown, nothing left behind. Its exit
 status reflects the root cause: the failing rank's exit code (1 for an exception),
 128+N when a rank died by signal N, 124 on timeout, 130 when interrupted (Ctrl-C), 143 on
-SIGTERM, 2 when nothing could be started (bad arguments, no GPU...).
+SIGTERM, 2 when nothing could be started (bad arguments, no GPU...). A failure's message
+ends with the paths of the ranks' log files: under ``--log-dir``, or else moved to a private
+``gangrun-logs-<run>-*`` directory in the temp dir that stays after the command.
 """
 
 from __future__ import annotations
