@@ -14,7 +14,8 @@ import pytest
 
 import gangrun
 from gangrun import defaults as _defaults
-from gangrun.cli import main, with_log_paths
+from gangrun.cli import main
+from gangrun.cli_support import with_log_paths
 from gangrun.launch import RankExit
 from gangrun.lifecycle.rootcause import Candidate, build_error
 from gangrun.options import Options
