@@ -6,7 +6,7 @@ on device") reach stderr through Python's last-resort handler when the applicati
 no logging, and go through the application's own handlers and levels when it did; debug and
 info records stay silent. With ``GANGRUN_LOG_LEVEL`` set (``DEBUG``, ``INFO``, ``WARNING``,
 ``ERROR`` or a number) the ``gangrun`` logger gets that level and one handler writing to
-stderr. :func:`configure` runs at the start of every call (``submit()``), so the variable is
+stderr. `configure` runs at the start of every call (``submit()``), so the variable is
 honoured without any code. Rank output is not logging: it stays raw text, prefixed
 ``[rank N]``.
 """

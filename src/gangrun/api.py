@@ -239,9 +239,9 @@ def distributed(
 def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     """Decorate a function to run on every GPU of this node (or ``processes=N`` CPU ranks).
 
-    ``@distributed`` and ``@distributed(...)`` both work; see :class:`Options` for the
-    keyword arguments. Bad settings raise :class:`gangrun.LaunchError` right here. Options
-    not given here come, at each call, from :func:`gangrun.set_defaults`, then the
+    ``@distributed`` and ``@distributed(...)`` both work; see [`Options`][gangrun.api.Options] for the
+    keyword arguments. Bad settings raise [`gangrun.LaunchError`][gangrun.errors.LaunchError] right here. Options
+    not given here come, at each call, from [`gangrun.set_defaults`][gangrun.defaults.set_defaults], then the
     ``GANGRUN_<OPTION>`` environment variables, then the built-in defaults.
     """
     _defaults.check_names(kwargs, "@distributed argument")

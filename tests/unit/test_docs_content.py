@@ -64,6 +64,16 @@ def test_relative_links_stay_inside_the_site(page):
     assert not outside, f"{page.relative_to(ROOT)}: {outside} (name repository files as code)"
 
 
+def test_no_raw_sphinx_roles_in_docstrings_or_pages():
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in [*SOURCES, *PAGES]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if SPHINX_ROLE.search(line)
+    ]
+    assert not found, "use [`Name`][gangrun.Name] or `Name`:\n" + "\n".join(found[:40])
+
+
 def test_the_strict_build_fails_on_links_out_of_the_site():
     text = (ROOT / "mkdocs.yml").read_text()
     assert re.search(r"^\s+not_found: warn$", text, flags=re.M)

@@ -2,7 +2,7 @@
 
 Side-effect free: it reads the options, the attached accelerators, the caller's environment,
 ``sys.path`` and working directory, and decides; it acquires nothing (GPU *reservation* is
-the supervisor's, see :mod:`gangrun.lifecycle.supervisor`). ``gangrun info`` uses only this.
+the supervisor's, see `gangrun.lifecycle.supervisor`). ``gangrun info`` uses only this.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A first call as fast as the later ones: start the fork server in the background.
 
-When a function is decorated in a kernel, :func:`prewarm_soon` starts the fork server (the
+When a function is decorated in a kernel, `prewarm_soon` starts the fork server (the
 slow part of a first call: a fresh interpreter importing torch) from a daemon thread, so a call
 made a few seconds later finds it ready. The same thread then imports the modules a call needs
-in the caller (:data:`CALL_MODULES`: the launcher, the output pump, the pre-launch checks,
+in the caller (`CALL_MODULES`: the launcher, the output pump, the pre-launch checks,
 cloudpickle, and in a kernel the live panel), which a first call otherwise imported on its way
 (20 ms of a 50 ms first call; issue 24, item 18). Failures are only logged: the call itself
 then starts the server, or falls back to spawning, as it would have anyway.
@@ -61,8 +61,8 @@ def _run() -> None:
 
 
 def import_call_modules() -> None:
-    """Import what a call needs in the caller (:data:`CALL_MODULES`, and in a kernel
-    :data:`KERNEL_MODULES`), so the first call does not."""
+    """Import what a call needs in the caller (`CALL_MODULES`, and in a kernel
+    `KERNEL_MODULES`), so the first call does not."""
     from . import in_kernel
 
     names = CALL_MODULES + (KERNEL_MODULES if in_kernel() else ())
@@ -74,7 +74,7 @@ def import_call_modules() -> None:
 
 
 def prewarm_soon() -> bool:
-    """Start :func:`prewarm` in a daemon thread, once per process. True if it started now."""
+    """Start `prewarm` in a daemon thread, once per process. True if it started now."""
     global _started, _thread
     with _lock:
         if _started:

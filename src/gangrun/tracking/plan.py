@@ -2,7 +2,7 @@
 
 Everything here runs in the caller before any rank starts, so bad input (a ``run_id`` that does
 not exist, an ``experiment_name`` that is not the resumed run's experiment) is a
-:class:`~gangrun.errors.LaunchError` while nothing runs yet. Only MLflow's public API is used.
+[`LaunchError`][gangrun.errors.LaunchError] while nothing runs yet. Only MLflow's public API is used.
 
 How the run is chosen (see docs/tracking.md):
 
@@ -108,7 +108,7 @@ def call_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any
 
 @dataclass
 class RunPlan:
-    """What :meth:`Tracker.start` will do: create a run, or resume ``resume_run``."""
+    """What `Tracker.start` will do: create a run, or resume ``resume_run``."""
 
     tracking_uri: str
     experiment_id: str
