@@ -7,6 +7,8 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 from gangrun import _log
 
 CODE = (
@@ -45,6 +47,7 @@ def test_the_applications_logging_decides_when_it_is_configured():
     assert proc.stderr == "app gangrun.run warning line\n"
 
 
+@pytest.mark.slow  # two real calls (one rank each)
 def test_a_warning_inside_a_call_reaches_the_user():
     # a module's own logger (not get_logger), after a call configured the gangrun logger
     code = (
