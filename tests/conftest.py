@@ -6,7 +6,9 @@ test process as its gangrun caller (``GANGRUN_CALLER_PID``) may survive, descend
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,29 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 
-_SESSION_TMP = tempfile.mkdtemp(prefix="gangrun-tests-")
+# One temporary directory per test session (the MLflow store, torch extensions, Ray's files),
+# removed when the session's process exits. Processes the session starts (ranks unpickling a
+# test's function import this module again) inherit its path and reuse it: they neither make
+# a directory of their own nor remove the session's.
+_TMP_VAR = "GANGRUN_TEST_SESSION_TMP"
+
+
+def _remove_session_tmp(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # not a forked child exiting
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _session_tmp() -> str:
+    inherited = os.environ.get(_TMP_VAR, "")
+    if inherited and os.path.isdir(inherited):
+        return inherited
+    path = tempfile.mkdtemp(prefix="gangrun-tests-")
+    os.environ[_TMP_VAR] = path
+    atexit.register(_remove_session_tmp, path, os.getpid())
+    return path
+
+
+_SESSION_TMP = _session_tmp()
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP}/mlflow.db"
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_SESSION_TMP, "torch_extensions"))

@@ -2,7 +2,7 @@
 
 A private module (``torch.distributed.checkpoint._fsspec_filesystem``,
 ``ray._private...``) can move or vanish in any release. Importing it through
-:func:`private_import` turns that into an ``ImportError`` that says what is missing, which
+[`private_import`][gangrun._compat_imports.private_import] turns that into an ``ImportError`` that says what is missing, which
 version is installed and which versions gangrun supports, instead of a bare
 ``ModuleNotFoundError`` deep inside a rank.
 """
@@ -36,7 +36,7 @@ def private_import(module: str, attr: str | None = None, *, supported: str) -> A
     """Import ``module`` (and return ``module.attr`` when given), or raise a clear error.
 
     ``supported`` names the versions gangrun is tested with, e.g. ``"torch>=2.4,<=2.13"``.
-    Raises :class:`PrivateImportError` (an ``ImportError``) when the library is absent or the
+    Raises [`PrivateImportError`][gangrun._compat_imports.PrivateImportError] (an ``ImportError``) when the library is absent or the
     private name is not in the installed version.
     """
     top = module.split(".", 1)[0]

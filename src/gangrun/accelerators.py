@@ -130,7 +130,7 @@ def select_devices(devices: Sequence[Accelerator], want: int | Sequence[int]) ->
     ``want`` a count: every visible device (the reservation then takes ``want`` free ones);
     more than are visible is an error. ``want`` a list of physical device indices (as
     ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` number them): exactly those, in that order.
-    Raises :class:`gangrun.LaunchError` naming the visible devices when one is absent.
+    Raises [`gangrun.LaunchError`][gangrun.errors.LaunchError] naming the visible devices when one is absent.
     """
     from .errors import LaunchError
 
@@ -287,7 +287,7 @@ def device() -> Any:
 
 
 def backend() -> str:
-    """The process-group backend matching :func:`device`: ``"nccl"`` with CUDA, else ``"gloo"``."""
+    """The process-group backend matching [`device`][gangrun.accelerators.device]: ``"nccl"`` with CUDA, else ``"gloo"``."""
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"

@@ -107,7 +107,8 @@ class RunHandle(Generic[R]):
 class DistributedFunction(Generic[P, R]):
     """A function that runs on every rank with ``.distributed()`` / ``.submit()``.
 
-    Calling it directly still runs the plain function in this process.
+    Calling it directly still runs the plain function in this process, as a world of one
+    (``RANK=0``, ``WORLD_SIZE=1``, ... for the call's duration).
     """
 
     def __init__(
@@ -142,13 +143,21 @@ class DistributedFunction(Generic[P, R]):
         return self._options
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return self._fn(*args, **kwargs)
+        """Run the plain function in this process, as rank 0 of a world of one: the torchrun
+        variables are set for the call's duration, so ``init_process_group`` works, and a
+        process group it leaves initialised is destroyed when it returns (`gangrun.plain`)."""
+        from .plain import world_of_one
+
+        with world_of_one():
+            return self._fn(*args, **kwargs)
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
+        from . import _log
         from .lifecycle import Supervisor
         from .notebook import checks, session
 
+        _log.configure()  # GANGRUN_LOG_LEVEL, once per process
         checks.refuse_nested()  # inside a rank: fail there, start no inner gang
         checks.bind_arguments(self._fn, args, kwargs)  # a misspelled argument: no rank starts
         opts = self._options.validate()
@@ -230,9 +239,9 @@ def distributed(
 def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     """Decorate a function to run on every GPU of this node (or ``processes=N`` CPU ranks).
 
-    ``@distributed`` and ``@distributed(...)`` both work; see :class:`Options` for the
-    keyword arguments. Bad settings raise :class:`gangrun.LaunchError` right here. Options
-    not given here come, at each call, from :func:`gangrun.set_defaults`, then the
+    ``@distributed`` and ``@distributed(...)`` both work; see [`Options`][gangrun.api.Options] for the
+    keyword arguments. Bad settings raise [`gangrun.LaunchError`][gangrun.errors.LaunchError] right here. Options
+    not given here come, at each call, from [`gangrun.set_defaults`][gangrun.defaults.set_defaults], then the
     ``GANGRUN_<OPTION>`` environment variables, then the built-in defaults.
     """
     _defaults.check_names(kwargs, "@distributed argument")

@@ -7,9 +7,9 @@
 
 A checkpoint directory holds torch's files (one or more ``.distcp`` per rank and
 ``.metadata``) plus a commit marker, ``_COMPLETE``, that the coordinator (rank 0) writes last,
-in :meth:`VolumeWriter.finish`, which ``torch.distributed.checkpoint.save`` calls only after
+in `VolumeWriter.finish`, which ``torch.distributed.checkpoint.save`` calls only after
 every rank has written its data. A crash anywhere before that leaves no marker: the directory
-is ignored by :func:`latest` and refused by :class:`VolumeReader`. Saving again into an existing
+is ignored by [`latest`][gangrun.checkpoint.latest] and refused by `VolumeReader`. Saving again into an existing
 checkpoint first removes its marker.
 
 Built on torch's own fsspec support (``FsspecWriter``/``FsspecReader``). Works in a process
@@ -285,7 +285,7 @@ def load(
     **reader_kwargs: Any,
 ) -> dict[str, Any]:
     """Load checkpoint ``url`` into ``state`` in place (``Stateful`` values get
-    ``load_state_dict``); raises :class:`IncompleteCheckpointError` for an unfinished one.
+    ``load_state_dict``); raises `IncompleteCheckpointError` for an unfinished one.
     Returns ``state``."""
     import torch.distributed.checkpoint as dcp
 

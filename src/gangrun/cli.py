@@ -14,7 +14,9 @@ arguments) on every rank, with the same guarantees as ``@distributed``: torchrun
 environment, live ``[rank N]`` output, fail-fast teardown, nothing left behind. Its exit
 status reflects the root cause: the failing rank's exit code (1 for an exception),
 128+N when a rank died by signal N, 124 on timeout, 130 when interrupted (Ctrl-C), 143 on
-SIGTERM, 2 when nothing could be started (bad arguments, no GPU...).
+SIGTERM, 2 when nothing could be started (bad arguments, no GPU...). A failure's message
+ends with the paths of the ranks' log files: under ``--log-dir``, or else moved to a private
+``gangrun-logs-<run>-*`` directory in the temp dir that stays after the command.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import runpy
 import signal
 import sys
 from typing import Any
+
+from .cli_support import module_file, unknown_flag, with_log_paths
 
 EXIT_LAUNCH = 2
 EXIT_TIMEOUT = 124
@@ -42,6 +46,8 @@ class ScriptTarget:
         self.__name__ = self.__qualname__ = target
         # The script's text travels too: on another node (backend="ray") the path may not exist.
         self.source: bytes | None = None
+        # The file the MLflow run names as its source (mlflow.source.name, and its git commit).
+        self.source_file: str = self.target if not module else module_file(target)
         if not module:
             with open(self.target, "rb") as f:
                 self.source = f.read()
@@ -109,8 +115,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     )
     p.add_argument("--version", action="version", version=f"gangrun {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,info}")
+    # No abbreviated flags: a prefix would be taken for an option here, or split the
+    # command line wrongly (its value taken for the script); a misspelling gets "did you mean".
     run = sub.add_parser(
         "run",
+        allow_abbrev=False,
         help="run a script (or -m module) on every rank",
         description="Run a script on every rank, as `python script.py args` would. Options not "
         "given here come from GANGRUN_<OPTION> variables, then the built-in defaults.",
@@ -122,6 +131,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     run.add_argument("target", nargs="*", help="script.py [args...]")
     info = sub.add_parser(
         "info",
+        allow_abbrev=False,
         help="show the GPUs, the effective defaults and the environment of a rank",
         description="Show the GPUs found (free memory, other processes), the option defaults "
         "in force and where each comes from, and the environment rank 0 would get.",
@@ -208,12 +218,10 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         handle.result()
         return 0
     except DistributedError as exc:
-        hint = (
-            ""
-            if opts.log_dir
-            else "\n(the logs go away with this command: --log-dir DIR keeps them)"
-        )
-        print(f"gangrun: {speak_cli(exc)}{hint if exc.rank is not None else ''}", file=sys.stderr)
+        text = speak_cli(exc)
+        if handle is not None:
+            text = with_log_paths(text, handle._run.log_files(), handle.run_id, bool(opts.log_dir))
+        print(f"gangrun: {text}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         if handle is not None:
@@ -293,11 +301,19 @@ def cmd_info(ns: argparse.Namespace) -> int:
     if opts is not None and opts.backend == "ray":
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     elif opts is not None:
+        shown = opts
+        if not devs and opts.gpus is None and opts.processes is None:
+            # A call here needs --processes N; show what a rank of such a call would see.
+            shown = dataclasses.replace(opts, processes=1)
+            note = (
+                "no GPU found: a call here needs --processes N (or GANGRUN_PROCESSES); "
+                "the environment shown is that of --processes 1"
+            )
         try:
-            plan = plan_local(lambda: None, opts)  # what a call would do; reserves no GPU
+            plan = plan_local(lambda: None, shown)  # what a call would do; reserves no GPU
             want = plan.gpus_wanted
             devices = plan.devices[:want] if isinstance(want, int) else plan.devices
-            env = rank_specs(plan, opts, run_dir="<run dir>", devices=devices)[0].env
+            env = rank_specs(plan, shown, run_dir="<run dir>", devices=devices)[0].env
             rank_env = {k: env[k] for k in _SHOWN if k in env}
             report["world_size"] = plan.world_size
         except DistributedError as exc:
@@ -375,7 +391,17 @@ def _valued_flags(parser: argparse.ArgumentParser) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        top, run_parser, _ = _parsers()
+        top, run_parser, info_parser = _parsers()
+        sub = {"run": run_parser, "info": info_parser}.get(args[0]) if args else None
+        if sub is not None:
+            ours = (
+                _split_run(args[1:], _valued_flags(run_parser))[0]
+                if sub is run_parser
+                else args[1:]
+            )
+            unknown = unknown_flag(sub, ours)
+            if unknown:
+                sub.error(unknown)  # the subcommand's usage, exit 2
         if args and args[0] == "run":
             ours, theirs, module = _split_run(args[1:], _valued_flags(run_parser))
             ns = top.parse_args(["run", *ours])

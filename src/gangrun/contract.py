@@ -1,17 +1,17 @@
 """The caller <-> rank contract: every ``GANGRUN_*`` environment variable in one place.
 
-Set by the caller for each rank (read by the rank side, :mod:`gangrun.worker`):
+Set by the caller for each rank (read by the rank side, `gangrun.worker`):
 
 ==============================  ==========================================================
 ``GANGRUN_RUN_ID``              the call's id; also the marker the teardown sweep looks
                                 for in ``/proc/PID/environ`` (descendants that left the
                                 rank's process group are found by it)
-``GANGRUN_RUN_DIR``             the private (0700) run directory (:class:`gangrun.rundir.RunDir`)
+``GANGRUN_RUN_DIR``             the private (0700) run directory (`gangrun.rundir.RunDir`)
 ``GANGRUN_CALLER_PID``          the caller's pid (diagnostics)
 ``GANGRUN_LIVENESS_FD``         fd of the read end of the caller's liveness pipe: EOF means
                                 the caller died, and the rank kills its own tree
 ``GANGRUN_HANG_TIMEOUT``        seconds; when set, the rank starts the hang guard's
-                                heartbeat and stack-dump handler (:mod:`gangrun.hang`)
+                                heartbeat and stack-dump handler (`gangrun.hang`)
 ``GANGRUN_RAY_NODE_ID``         Ray backend: the node the rank's actor was placed on
 ``GANGRUN_RAY_NODE_IP``         Ray backend: that node's IP address
 ==============================  ==========================================================
@@ -28,7 +28,7 @@ Read by the caller (settings of the launch machinery, not per-call options):
 ``GANGRUN_RAY_RUNTIME_ENV``         JSON runtime env for the rank actors
 ``GANGRUN_RAY_PLACEMENT_TIMEOUT``   seconds to wait for the placement group (300)
 ``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
-``GANGRUN_CACHE_DIR``               :mod:`gangrun.data`'s local file cache
+``GANGRUN_CACHE_DIR``               `gangrun.data`'s local file cache
 ==================================  ======================================================
 
 Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (32 KiB of room in the server's environ
@@ -36,7 +36,7 @@ block that a forked rank overwrites with its own environment, ``GANGRUN_*`` firs
 ``/proc/PID/environ`` shows it; variables beyond that room are missing from that view only,
 never from the rank's ``os.environ``). Every start method refuses, before anything starts, an
 environment the kernel would not exec (one variable over 128 KiB, or the whole over
-``ARG_MAX``): :mod:`gangrun.launch.limits`.
+``ARG_MAX``): `gangrun.launch.limits`.
 """
 
 from __future__ import annotations

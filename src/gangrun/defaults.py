@@ -1,6 +1,6 @@
 """Defaults outside code: ``GANGRUN_<OPTION>`` variables and ``gangrun.set_defaults()``.
 
-Every option of ``@distributed`` (every field of :class:`gangrun.Options`) is taken from the
+Every option of ``@distributed`` (every field of [`gangrun.Options`][gangrun.api.Options]) is taken from the
 first of these that sets it, at call time (``submit()``/``.distributed()``):
 
 1. an argument given explicitly: to ``@distributed(...)``, a ``gangrun run`` flag, or through
@@ -231,7 +231,7 @@ def set_defaults(**options: Any) -> dict[str, Any]:
     and above ``GANGRUN_<OPTION>`` variables. Each call replaces the previous session
     defaults; ``set_defaults()`` with no arguments returns to the built-in defaults.
 
-    Returns the session defaults now in force. Raises :class:`gangrun.LaunchError` for an
+    Returns the session defaults now in force. Raises [`gangrun.LaunchError`][gangrun.errors.LaunchError] for an
     unknown name (suggesting the closest valid one) or a bad value.
 
     >>> gangrun.set_defaults(processes=2, timeout=600, mlflow=False)
@@ -250,7 +250,7 @@ def set_defaults(**options: Any) -> dict[str, Any]:
 
 
 def reset_defaults() -> None:
-    """Forget the session defaults of :func:`set_defaults` (same as ``set_defaults()``)."""
+    """Forget the session defaults of [`set_defaults`][gangrun.defaults.set_defaults] (same as ``set_defaults()``)."""
     with _lock:
         _session.clear()
 
@@ -261,14 +261,14 @@ def session_defaults() -> dict[str, Any]:
 
 
 def resolve(explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Any:
-    """The validated :class:`gangrun.Options` for ``explicit`` arguments (see the module)."""
+    """The validated [`gangrun.Options`][gangrun.api.Options] for ``explicit`` arguments (see the module)."""
     return resolve_with_sources(explicit, environ)[0]
 
 
 def resolve_with_sources(
     explicit: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> tuple[Any, dict[str, str]]:
-    """Like :func:`resolve`, and where each option came from: ``"argument"``,
+    """Like `resolve`, and where each option came from: ``"argument"``,
     ``"set_defaults"``, ``"env GANGRUN_<OPTION>"`` or ``"built-in"``."""
     from .options import Options
 

@@ -19,7 +19,7 @@ class DistributedError(RuntimeError):
     ``exc_type`` the qualified name of the exception it raised.
     When the rank's exception could be rebuilt in the caller it is ``__cause__``.
     ``failures`` holds every rank that failed on its own (not stopped by the teardown), keyed
-    by rank, as :class:`RankFailure` records; the message leads with the root cause.
+    by rank, as `RankFailure` records; the message leads with the root cause.
     """
 
     def __init__(

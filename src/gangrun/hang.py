@@ -6,13 +6,13 @@ counts as making progress when it
 
 - writes output (any stdout/stderr bytes: the caller's output pump appends them to the rank's
   log file, whose modification time is the beat), or
-- calls :func:`gangrun.heartbeat` (touches ``heartbeat.<rank>`` in the private run directory;
+- calls [`gangrun.heartbeat`][gangrun.hang.heartbeat] (touches ``heartbeat.<rank>`` in the private run directory;
   call it once per training step when a step prints nothing).
 
 When a live rank has made no progress for ``hang_timeout`` seconds, the caller sends ``SIGUSR1``
 to every live rank (each registered ``faulthandler`` for it, writing all threads' Python stacks
 to ``stacks.<rank>`` in the run directory), waits briefly for the dumps, stops the gang and
-raises :class:`gangrun.DistributedHangError` naming the silent ranks, with every rank's stack.
+raises [`gangrun.DistributedHangError`][gangrun.errors.DistributedHangError] naming the silent ranks, with every rank's stack.
 Like any failure, a hang is retried when ``max_restarts`` allows.
 """
 

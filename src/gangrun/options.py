@@ -1,6 +1,6 @@
 """The options of a distributed function (the decorator's keyword arguments).
 
-Its own module, below :mod:`gangrun.api` and :mod:`gangrun.defaults` (which both read it).
+Its own module, below `gangrun.api` and `gangrun.defaults` (which both read it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Options:
     """Settings of a distributed function (the decorator's keyword arguments).
 
     Each can be defaulted outside code by ``gangrun.set_defaults(...)`` or a
-    ``GANGRUN_<OPTION>`` environment variable (see :mod:`gangrun.defaults`).
+    ``GANGRUN_<OPTION>`` environment variable (see `gangrun.defaults`).
 
     Attributes:
         gpus: ranks on this node, one GPU each; an int (how many) or a list of physical

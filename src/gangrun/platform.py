@@ -41,7 +41,7 @@ def process_identity(pid: int) -> str | None:
 
 def ticks_now(slack_s: float = 2.0) -> int:
     """Now minus ``slack_s``, in the clock ticks since boot that ``/proc/PID/stat`` uses for
-    process start times (0 when unknown: then :func:`sweep` looks at every process)."""
+    process start times (0 when unknown: then `sweep` looks at every process)."""
     try:
         with open("/proc/uptime", "rb") as f:
             up = float(f.read().split()[0])
@@ -74,7 +74,7 @@ def signal_tree(pids: list[int], sig: int) -> None:
 def sweep(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[int]:
     """Kill any process still carrying this run's id in its environment (a descendant that
     left its rank's process group, e.g. with ``setsid``). Reads ``/proc`` directly and only
-    the environment of processes started since ``since_ticks`` (see :func:`ticks_now`): a
+    the environment of processes started since ``since_ticks`` (see `ticks_now`): a
     few ms. Returns the pids it signalled."""
     marker = f"\0GANGRUN_RUN_ID={run_id}\0".encode()
     me = os.getpid()
@@ -144,7 +144,7 @@ def _libc() -> Any:
 def become_subreaper() -> bool:
     """Make this process the child subreaper of its descendants (``PR_SET_CHILD_SUBREAPER``):
     an orphaned descendant, even one in its own session with its own environment, re-parents
-    to this process instead of init, so :func:`kill_children` still finds it."""
+    to this process instead of init, so `kill_children` still finds it."""
     libc = _libc()
     try:
         return libc is not None and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0

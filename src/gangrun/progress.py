@@ -6,14 +6,14 @@ Rank side::
         ...
         gangrun.report_step(step, total)     # progress, ETA, slow ranks; counts for the hang guard
 
-The checkpoint manager calls :func:`report_resumed` after a restore, so the caller knows an
+The checkpoint manager calls `report_resumed` after a restore, so the caller knows an
 attempt made progress and from which step it resumed.
 
 Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directory
-(:meth:`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
-fsync): a report is a clock read and, at most every :data:`MIN_INTERVAL_S` (and always for the
+(`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
+fsync): a report is a clock read and, at most every `MIN_INTERVAL_S` (and always for the
 first report and a changed total), one 96-byte write. The caller reads it with
-:func:`read` (a torn or garbled read is ``None``, never an exception). Outside a rank (nothing
+`read` (a torn or garbled read is ``None``, never an exception). Outside a rank (nothing
 bound), in a forked child of a rank (a DataLoader worker), or once the run
 directory is gone, a report is a no-op.
 """
@@ -62,7 +62,7 @@ class StepReport:
 
 
 def bind(run_dir: str, rank: int) -> None:
-    """In a rank (called by :mod:`gangrun.worker` at start): reports go to this run
+    """In a rank (called by `gangrun.worker` at start): reports go to this run
     directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
     global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step
     _bound = (run_dir, int(rank), os.getpid())

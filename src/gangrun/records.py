@@ -1,13 +1,13 @@
 """Typed records the caller and its ranks exchange through the run directory.
 
-Rank-side safe: imports nothing of gangrun's caller side, so :mod:`gangrun.worker` (inside a
+Rank-side safe: imports nothing of gangrun's caller side, so `gangrun.worker` (inside a
 rank) and the call's lifecycle (in the caller) share these definitions.
 
-- :class:`RankContext` is ``context.json``: what a rank adopts from its caller (``sys.path``,
+- `RankContext` is ``context.json``: what a rank adopts from its caller (``sys.path``,
   working directory, ``argv``) and who the caller is (process identity, host, PID namespace:
   only a run directory whose caller is provably dead on *this* host and namespace is reaped).
-- :class:`ErrorRecord` is ``error.<rank>.pkl``: how a rank ended when it did not return.
-- :class:`RankFailure` is one rank's failure as the caller reports it
+- `ErrorRecord` is ``error.<rank>.pkl``: how a rank ended when it did not return.
+- `RankFailure` is one rank's failure as the caller reports it
   (``DistributedError.failures``).
 """
 
@@ -82,7 +82,7 @@ class ErrorRecord:
 
     @classmethod
     def coerce(cls, obj: Any) -> ErrorRecord | None:
-        """An :class:`ErrorRecord` from what an error file held (older writers: a dict)."""
+        """An `ErrorRecord` from what an error file held (older writers: a dict)."""
         if isinstance(obj, cls):
             return obj
         if not isinstance(obj, dict):

@@ -3,12 +3,12 @@
 ``<tmp>/gangrun-<run_id>-XXXX/`` (0700, files 0600, written atomically by temp name + rename)::
 
     payload.pkl          the function and its arguments (cloudpickle), written once
-    context.json         the rank context (:class:`RankContext`): caller's sys.path, cwd, ...
+    context.json         the rank context (`RankContext`): caller's sys.path, cwd, ...
     result.<rank>.pkl    what rank <rank> returned
     error.<rank>.pkl     rank <rank>'s failure record (exception type, message, traceback)
     heartbeat.<rank>     hang guard: touched by the rank on progress
     stacks.<rank>        hang guard: the rank's stacks, dumped on request
-    progress.<rank>      the rank's last step report (:mod:`gangrun.progress`)
+    progress.<rank>      the rank's last step report (`gangrun.progress`)
     logs/rank-<rank>.log every rank's full output (unless ``log_dir=`` puts it elsewhere)
 
 Both sides use this class: the caller creates and clears it, a rank only reads the payload and

@@ -5,8 +5,8 @@ nobody else can write (mode ``0700``), and only files this user owns that nobody
 write. A run directory or file that fails the check is never loaded.
 
 Log directories (``log_dir=``, often in a shared place) are created with
-:func:`make_private_dir`, which never follows a symlink another user could have planted, and
-log files are opened with :func:`open_log` (``O_NOFOLLOW``, owner-only).
+`make_private_dir`, which never follows a symlink another user could have planted, and
+log files are opened with `open_log` (``O_NOFOLLOW``, owner-only).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def make_private_dir(path: str) -> str:
     component must be a real directory owned by this user. An existing directory on the way
     that another (non-root) user owns and that others may write is refused (its owner could
     swap what gangrun creates in it). Components gangrun creates get mode ``0700`` whatever
-    the umask. Anything else raises :class:`~gangrun.errors.LaunchError` naming the path.
+    the umask. Anything else raises [`LaunchError`][gangrun.errors.LaunchError] naming the path.
     """
     full = os.path.abspath(os.fspath(path))
     todo = deque(c for c in full.split("/") if c)
@@ -188,7 +188,7 @@ def open_log(path: str) -> BinaryIO:
     ``O_NOFOLLOW``: a symlink at ``path`` is refused, never followed; so is anything that is
     not a regular file owned by this user (checked on the open descriptor). An existing log of
     ours that others could read is narrowed to ``0600``. Raises
-    :class:`~gangrun.errors.LaunchError` naming the path.
+    [`LaunchError`][gangrun.errors.LaunchError] naming the path.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:

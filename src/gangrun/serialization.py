@@ -120,7 +120,7 @@ def write_payload(
 ) -> int:
     """Pickle ``(fn, args, kwargs)`` to ``path`` (mode 0600). Returns its size.
 
-    Raises :class:`LaunchError` naming the object that cannot be serialized, or the largest
+    Raises [`LaunchError`][gangrun.errors.LaunchError] naming the object that cannot be serialized, or the largest
     captured objects when the payload is over ``max_bytes``.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -269,7 +269,7 @@ def dump_result(obj: Any, f: BinaryIO) -> None:
 
 
 def load_file(f: BinaryIO) -> Any:
-    """Load what :func:`atomic_dump` wrote (or a plain pickle)."""
+    """Load what `atomic_dump` wrote (or a plain pickle)."""
     start = f.read(len(MAGIC))
     if start != MAGIC:
         f.seek(0)

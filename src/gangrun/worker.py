@@ -1,6 +1,6 @@
 """The rank entry point.
 
-A rank process (fresh interpreter or forked from the warm fork server) runs :func:`main`:
+A rank process (fresh interpreter or forked from the warm fork server) runs `main`:
 watch the caller's liveness pipe, adopt the caller's ``sys.path`` and working directory, load
 the payload, call the function, hand the result (or the error) back through an atomically
 renamed file in the private run directory, flush stdio and leave with ``os._exit``.

@@ -33,6 +33,8 @@ if mode == "sleep":
 
 
 def gangrun(tmp_path, *args, timeout=60, **kw):
+    # the run directories, and the logs a failed run keeps, under the test's own tmp_path
+    kw["env"] = dict(kw.get("env") or os.environ, TMPDIR=str(tmp_path))
     return subprocess.Popen(
         [sys.executable, "-m", "gangrun", *args],
         cwd=str(tmp_path),

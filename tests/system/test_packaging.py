@@ -4,6 +4,7 @@ its ``gangrun`` command works there; the docs build with warnings as errors."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,7 @@ def test_docs_build_strict(tmp_path):
     assert "set_defaults" in api and "DistributedFunction" in api
     for page in ("errors", "data", "checkpoint", "compat", "cli"):
         assert (site / "reference" / page / "index.html").exists()
+    for page in (site / "reference").rglob("index.html"):  # no Sphinx role shown as text
+        html = page.read_text()
+        assert not re.search(r":(class|func|meth|mod|attr|exc|data|obj):<code>", html), page
+    assert 'href="../errors/#gangrun.errors.LaunchError"' in api  # a rendered cross-reference

@@ -23,8 +23,10 @@ LAYERS: dict[str, int] = {
     "gangrun.__main__": API,
     "gangrun.api": API,
     "gangrun.defaults": API,
+    "gangrun.plain": API,  # a plain call of a decorated function: a world of one
     "gangrun.cli": API,
     "gangrun.cli_options": API,
+    "gangrun.cli_support": API,
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API
     "gangrun.notebook": API,  # the notebook panel, output routing, pre-launch checks

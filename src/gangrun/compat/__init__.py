@@ -1,6 +1,6 @@
 """Compatibility helpers for code written for other launchers and frameworks.
 
-``TorchDistributor`` (Spark's API, imported lazily) lives in :mod:`.torch_distributor`.
+``TorchDistributor`` (Spark's API, imported lazily) lives in `torch_distributor`.
 """
 
 from __future__ import annotations

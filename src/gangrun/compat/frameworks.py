@@ -5,7 +5,7 @@ Every rank already has the torchrun environment (``RANK``, ``LOCAL_RANK``, ``WOR
 ``torch.distributed.init_process_group()``, DDP and FSDP read. DeepSpeed reads a few more
 variables that its own launcher sets, picks an accelerator on its own, and on CPU JIT-compiles
 C++ ops (gcc + ninja, ~20-40 s each, first time) that a training job rarely needs.
-:func:`deepspeed_setup` settles all of that; call it inside the function before
+`deepspeed_setup` settles all of that; call it inside the function before
 ``deepspeed.initialize`` / ``deepspeed.init_distributed``.
 
 Nothing here imports torch or deepspeed at module import time.
@@ -55,7 +55,7 @@ def deepspeed_setup(*, shm_comm: bool = False) -> str:
     """Prepare this rank for DeepSpeed; returns the accelerator name (``"cuda"``/``"cpu"``).
 
     - sets ``LOCAL_SIZE``/``CROSS_RANK``/``CROSS_SIZE`` from the torchrun variables;
-    - sets ``DS_ACCELERATOR`` to ``cuda`` or ``cpu`` (matching :func:`gangrun.device`)
+    - sets ``DS_ACCELERATOR`` to ``cuda`` or ``cpu`` (matching [`gangrun.device`][gangrun.accelerators.device])
       unless the user chose one, so DeepSpeed neither guesses nor warns;
     - on CPU, unless ``shm_comm=True``, stops DeepSpeed from JIT-compiling its shared-memory
       all-reduce op (``deepspeed_shm_comm``, ~20 s with gcc+ninja on first use, cached in

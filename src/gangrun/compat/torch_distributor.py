@@ -70,7 +70,7 @@ class TorchDistributor:
 
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_object`` on every process; rank 0's return value (``None`` for a
-        script). A failure raises :class:`gangrun.DistributedError` (a ``RuntimeError``)."""
+        script). A failure raises [`gangrun.DistributedError`][gangrun.errors.DistributedError] (a ``RuntimeError``)."""
         from ..api import DistributedFunction
 
         if isinstance(train_object, str):

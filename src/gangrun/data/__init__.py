@@ -26,20 +26,20 @@ What it guarantees (SPEC section 5):
   once; the cache is re-used across epochs, calls and processes;
 - ``state_dict()``/``load_state_dict()`` record how far each rank got, so a restarted gang
   continues in the middle of an epoch (iterate the dataset directly or through
-  :meth:`VolumeDataset.loader`; a plain ``DataLoader`` with workers cannot report progress).
+  `VolumeDataset.loader`; a plain ``DataLoader`` with workers cannot report progress).
 
 ``import gangrun`` does not import this module; importing it imports torch (the dataset is a
 ``torch.utils.data.IterableDataset``), fsspec is imported when files are listed.
 
 Modules (every one importable on its own; only ``dataset`` and ``loader`` import torch):
 
-- ``listing``: :class:`FileEntry`, listing and sorting a source's files (fsspec), local reads;
+- ``listing``: `FileEntry`, listing and sorting a source's files (fsspec), local reads;
 - ``sharding``: epoch order, rank shares, worker plans, position records (pure: no torch, no
   fsspec);
-- ``cache``: :class:`FileCache`, the node-local cache of remote files;
+- ``cache``: `FileCache`, the node-local cache of remote files;
 - ``prefetch``: reading a worker's files in order with misses fetched ahead;
-- ``dataset``: :class:`VolumeDataset`;
-- ``loader``: :class:`VolumeLoader`.
+- ``dataset``: [`VolumeDataset`][gangrun.data.VolumeDataset];
+- ``loader``: `VolumeLoader`.
 
 The names below are loaded on first use, so ``import gangrun.data.sharding`` does not import
 torch.

@@ -1,4 +1,4 @@
-"""The node-local disk cache of remote files (:class:`FileCache`), shared by ranks and workers.
+"""The node-local disk cache of remote files (`FileCache`), shared by ranks and workers.
 
 This module does not import torch or fsspec.
 """

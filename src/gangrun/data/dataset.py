@@ -1,9 +1,9 @@
-""":class:`VolumeDataset`: an ``IterableDataset`` over the files of any storage, sharded
+"""[`VolumeDataset`][gangrun.data.VolumeDataset]: an ``IterableDataset`` over the files of any storage, sharded
 across ranks and DataLoader workers, cached, shuffled per epoch and resumable mid-epoch.
 
-The guarantees are listed in :mod:`gangrun.data`; the pieces it is built from live in
-:mod:`.listing` (what files), :mod:`.sharding` (who reads which), :mod:`.cache` (local copies of
-remote files) and :mod:`.prefetch` (reading ahead).
+The guarantees are listed in `gangrun.data`; the pieces it is built from live in
+`listing` (what files), `sharding` (who reads which), `cache` (local copies of
+remote files) and `prefetch` (reading ahead).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class VolumeDataset(IterableDataset):
             Default: the file's bytes are the sample.
         shuffle: shuffle the file order every epoch (same permutation on every rank).
         seed: seed of the shuffle; epoch ``e`` uses ``(seed, e)``.
-        cache_dir: where remote files are cached (default :func:`default_cache_dir`).
+        cache_dir: where remote files are cached (default `default_cache_dir`).
         cache_limit: cache size bound in bytes (or ``"20GB"``); default half the free space.
         cache: ``"auto"`` (default: cache everything that is not on the local filesystem),
             ``True`` or ``False``.
@@ -118,7 +118,7 @@ class VolumeDataset(IterableDataset):
         self._epoch = epoch
 
     def epoch_order(self, epoch: int | None = None) -> list[int]:
-        """Indexes into :attr:`files` in the order of ``epoch`` (same on every rank)."""
+        """Indexes into `files` in the order of ``epoch`` (same on every rank)."""
         e = self._epoch if epoch is None else epoch
         return sharding.epoch_order(len(self.files), self.shuffle, self.seed, e)
 
@@ -261,7 +261,7 @@ class VolumeDataset(IterableDataset):
     # uses the four public methods below (see VolumeLoader).
 
     def resume_position(self) -> dict[str, Any] | None:
-        """Take the position restored by :meth:`load_state_dict`, once: the pass that starts
+        """Take the position restored by `load_state_dict`, once: the pass that starts
         now continues from it. ``None`` when nothing was restored, or (with a warning) when it
         does not match this dataset's epoch or file count, so the epoch restarts."""
         start, self._resume = self._resume, None
@@ -279,7 +279,7 @@ class VolumeDataset(IterableDataset):
     def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
         position ``start`` when it was made with this world size and worker count, else from
-        the beginning of the epoch. :meth:`state_dict` reports this pass from now on."""
+        the beginning of the epoch. `state_dict` reports this pass from now on."""
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
         same = start if sharding.same_layout(start, world, nw) else None
@@ -289,7 +289,7 @@ class VolumeDataset(IterableDataset):
 
     def record_progress(self, worker: int, progress: Sequence[int]) -> None:
         """Note that the training loop received worker ``worker``'s samples up to ``progress``
-        (the tag :meth:`iter_tagged` attached to them)."""
+        (the tag `iter_tagged` attached to them)."""
         if self._live is None:
             raise RuntimeError("record_progress() before start_progress()")
         self._live["workers"][worker] = list(progress)
@@ -297,7 +297,7 @@ class VolumeDataset(IterableDataset):
     def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
         """``(sample, (worker id, progress))`` pairs of this DataLoader worker's (or this
         process's) share, from position ``start``; does not record progress itself — pass the
-        tags the training loop received to :meth:`record_progress`."""
+        tags the training loop received to `record_progress`."""
         return self._iterate(start, tagged=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -316,7 +316,7 @@ class VolumeDataset(IterableDataset):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next iteration continues where this rank stopped."""
+        """Restore `state_dict`; the next iteration continues where this rank stopped."""
         rank, _ = self.rank_world()
         self._epoch = int(state["epoch"])
         self._live = None
@@ -331,7 +331,7 @@ class VolumeDataset(IterableDataset):
     # -- DataLoader ----------------------------------------------------------------------------
 
     def loader(self, **dataloader_kwargs: Any) -> VolumeLoader:
-        """A ``DataLoader`` over this dataset that keeps :meth:`state_dict` exact with workers."""
+        """A ``DataLoader`` over this dataset that keeps `state_dict` exact with workers."""
         from .loader import VolumeLoader
 
         return VolumeLoader(self, **dataloader_kwargs)

@@ -1,7 +1,7 @@
 """Listing the files of a source (local path, glob, fsspec URL), and reading local files.
 
 The listing is sorted, so every rank and every DataLoader worker sees the same list. fsspec is
-imported only when :func:`list_files` runs; this module does not import torch.
+imported only when `list_files` runs; this module does not import torch.
 """
 
 from __future__ import annotations

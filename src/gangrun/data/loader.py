@@ -1,8 +1,8 @@
-""":class:`VolumeLoader`: a ``DataLoader`` that keeps a :class:`VolumeDataset`'s position exact.
+"""`VolumeLoader`: a ``DataLoader`` that keeps a [`VolumeDataset`][gangrun.data.VolumeDataset]'s position exact.
 
-Workers iterate the dataset's :meth:`~VolumeDataset.iter_tagged` view, so every sample carries
+Workers iterate the dataset's `iter_tagged` view, so every sample carries
 (worker id, progress); the collate function keeps the last tag of each batch, and the loader
-hands it to :meth:`~VolumeDataset.record_progress` as the batch reaches the training loop.
+hands it to `record_progress` as the batch reaches the training loop.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 
 class Resumable(Protocol):
-    """The public resume API of :class:`~gangrun.data.VolumeDataset` that the loader uses."""
+    """The public resume API of [`VolumeDataset`][gangrun.data.VolumeDataset] that the loader uses."""
 
     def resume_position(self) -> dict[str, Any] | None: ...
 
@@ -52,7 +52,7 @@ class _Collate:
 
 
 class VolumeLoader(DataLoader):
-    """``DataLoader`` for a :class:`VolumeDataset` that reports the rank's exact progress.
+    """``DataLoader`` for a [`VolumeDataset`][gangrun.data.VolumeDataset] that reports the rank's exact progress.
 
     Takes the usual ``DataLoader`` arguments (``batch_size``, ``num_workers``, ``collate_fn``,
     ``pin_memory``, ...) except ``persistent_workers`` (workers must see each epoch's order).

@@ -1,6 +1,6 @@
 """Reading a worker's files in order, with misses fetched ahead in background threads.
 
-:func:`stream` turns a worker's list of files into ``(sample, progress)`` pairs. Files at hand
+`stream` turns a worker's list of files into ``(sample, progress)`` pairs. Files at hand
 (cache hits, local files) are read inline; after a miss the next ``prefetch`` files are fetched
 in the background, several at a time, and the window is kept full until hits resume. This
 module does not import torch or fsspec.

@@ -3,13 +3,13 @@
 Pure functions over indexes and lists; this module imports neither torch nor fsspec, so the
 partitioning can be checked (and reasoned about) without either.
 
-- :func:`epoch_order`: the order of the ``n`` listed files in an epoch, the same on every rank
+- `epoch_order`: the order of the ``n`` listed files in an epoch, the same on every rank
   (sorted, or a permutation that depends only on ``seed`` and ``epoch``);
-- :func:`rank_share`: the strided share of one rank, padded (``"pad"``) or cut (``"drop"``) so
+- `rank_share`: the strided share of one rank, padded (``"pad"``) or cut (``"drop"``) so
   every rank gets the same count;
-- :func:`worker_plan`: one DataLoader worker's part of its rank's share, and its sample quota
+- `worker_plan`: one DataLoader worker's part of its rank's share, and its sample quota
   when ``samples_per_rank`` is set;
-- :func:`progress_record` / :func:`same_layout`: the JSON-able position of a pass (one entry
+- `progress_record` / `same_layout`: the JSON-able position of a pass (one entry
   per worker) that ``VolumeDataset.state_dict()`` saves.
 """
 

@@ -1,4 +1,4 @@
-"""The wire between a :class:`~gangrun.Gang` and its ranks, and how a cell is compiled.
+"""The wire between a `Gang` and its ranks, and how a cell is compiled.
 
 One message is an 8-byte big-endian length followed by a pickle (protocol 5) of a tuple.
 Caller to rank: ``("exec", cell_id, source)``, ``("run", payload)`` (cloudpickled

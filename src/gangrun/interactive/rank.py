@@ -1,5 +1,5 @@
-"""The rank side of an interactive gang: :func:`gang` (the long-lived call every rank runs)
-and :func:`rank_state` (the namespace that cells and functions share on a rank).
+"""The rank side of an interactive gang: `gang` (the long-lived call every rank runs)
+and `rank_state` (the namespace that cells and functions share on a rank).
 
 Imports nothing heavy: a rank that only serves cells pays for nothing it does not use.
 """
@@ -27,7 +27,7 @@ _written = [0]  # bytes written through sys.stdout/sys.stderr (see protocol: out
 
 
 def rank_state() -> dict[str, Any]:
-    """This rank's persistent namespace in a :class:`gangrun.Gang`: the globals that
+    """This rank's persistent namespace in a `gangrun.Gang`: the globals that
     ``g.execute(code)`` runs in, so functions passed to ``g.run`` share state with cells."""
     if _state is None:
         raise RuntimeError(
@@ -127,7 +127,7 @@ def _reply(rank: int, ok: bool, value: Any) -> tuple:
 
 
 def gang(address: str, token: str) -> None:
-    """Serve a :class:`gangrun.Gang` on this rank until the caller closes it."""
+    """Serve a `gangrun.Gang` on this rank until the caller closes it."""
     global _state
     rank = int(os.environ.get("RANK", "0"))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,11 +1,11 @@
-"""The caller's side of an interactive gang: :class:`Gang`.
+"""The caller's side of an interactive gang: `Gang`.
 
-A gang is one ordinary call of :func:`gangrun.interactive.rank.gang` with ``timeout=None``,
+A gang is one ordinary call of `gangrun.interactive.rank.gang` with ``timeout=None``,
 started through the public ``distributed(...).submit(...)``: launch, output streaming into the
 caller's ``sys.stdout`` (the running cell, in a notebook), the liveness pipe (the caller's death
 kills the ranks), teardown, root cause and the MLflow run (one per gang) all come from there.
 Each rank connects back over an AF_UNIX socket in a private (0700) directory, proves it knows
-the gang's random token, and then serves commands: see :mod:`gangrun.interactive.protocol`.
+the gang's random token, and then serves commands: see `gangrun.interactive.protocol`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Gang:
     Takes the options of ``@distributed`` (``processes=``/``gpus=``, ``gpu_type``, ``env``,
     ``mlflow``, ``output``, ...); ``timeout`` is per execution. ``interrupt_grace`` is how
     long interrupted or timed-out ranks get to come back before they are killed (the gang is
-    then broken until :meth:`restart`); ``start_timeout`` bounds the ranks' start.
+    then broken until `restart`); ``start_timeout`` bounds the ranks' start.
 
     >>> g = Gang(processes=2)
     >>> g.execute("import os; r = int(os.environ['RANK'])")
@@ -247,7 +247,7 @@ class Gang:
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every warm rank; per-rank results in rank order.
-        Inside, :func:`gangrun.rank_state` is the namespace that :meth:`execute` uses."""
+        Inside, `gangrun.rank_state` is the namespace that `execute` uses."""
         __tracebackhide__ = True
         if not callable(fn):
             raise LaunchError(f"Gang.run takes a function, got {fn!r}")

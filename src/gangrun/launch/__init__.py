@@ -1,17 +1,17 @@
 """Launchers: how rank processes are started, watched and stopped.
 
-One concrete gang (:class:`gangrun.launch.gang.ProcessGang`) over one :class:`Spawner`
+One concrete gang (`gangrun.launch.gang.ProcessGang`) over one `Spawner`
 protocol, implemented three times:
 
-- :mod:`.spawn`: fresh interpreters (``start_method="spawn"``);
-- :mod:`.forkserver`: ranks forked from a warm helper that imported torch but never touched
+- `spawn`: fresh interpreters (``start_method="spawn"``);
+- `forkserver`: ranks forked from a warm helper that imported torch but never touched
   CUDA (``start_method="forkserver"``, the default where usable);
-- :mod:`.ray`: one small actor per rank on a Ray cluster (``spec.placement`` set).
+- `ray`: one small actor per rank on a Ray cluster (``spec.placement`` set).
 
-The seam to the call's lifecycle is :func:`open_gang`: it returns a :class:`Gang` for a
-:class:`GangSpec`; the gang puts one :class:`RankExit` per rank into the ``events`` queue the
+The seam to the call's lifecycle is `open_gang`: it returns a `Gang` for a
+`GangSpec`; the gang puts one `RankExit` per rank into the ``events`` queue the
 lifecycle owns (which also carries the lifecycle's own events: cancel, deadline, ...).
-:func:`shutdown` closes the launch machinery (fork servers) at the caller's exit.
+`shutdown` closes the launch machinery (fork servers) at the caller's exit.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class RankExit:
 
 
 class RankIO:
-    """The pipes one rank starts with. A :class:`Spawner` takes ownership of ``out_w`` and
+    """The pipes one rank starts with. A `Spawner` takes ownership of ``out_w`` and
     ``err_w`` (closes them once handed over, also on failure); ``live_r`` (the read end of
     the caller's liveness pipe, -1 for none) stays the gang's."""
 

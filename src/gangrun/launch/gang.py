@@ -1,10 +1,10 @@
-"""The one concrete :class:`~gangrun.launch.Gang`: rank processes of one attempt of one call,
-whatever :class:`~gangrun.launch.Spawner` started them.
+"""The one concrete `Gang`: rank processes of one attempt of one call,
+whatever `Spawner` started them.
 
 It owns what every launcher needs the same way (cf. torch elastic's ``PContext`` over its
 per-process handlers): the rank log files, the wiring of each rank's stdout/stderr into the
 output pump, the caller's liveness pipe, one blocking exit-waiter thread per rank that puts a
-:class:`~gangrun.launch.RankExit` into the lifecycle's ``events`` queue the moment the rank
+`RankExit` into the lifecycle's ``events`` queue the moment the rank
 ends (no polling interval), stop (SIGTERM, grace, SIGKILL, then the ``GANGRUN_RUN_ID`` sweep)
 and close.
 """

@@ -36,7 +36,7 @@ def _fmt(n: int) -> str:
 
 
 def check_env(ranks: Iterable[RankSpec]) -> None:
-    """Raise :class:`LaunchError` when a rank's environment cannot be exec'ed."""
+    """Raise [`LaunchError`][gangrun.errors.LaunchError] when a rank's environment cannot be exec'ed."""
     limit = _arg_max() - _ARGV_ROOM
     seen: set[int] = set()
     for r in ranks:

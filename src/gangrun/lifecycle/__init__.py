@@ -1,11 +1,11 @@
 """The call's lifecycle: plan, supervise, restart, observe, and settle one call.
 
-- :mod:`.state`: states, typed events, the terminal :class:`~.state.Outcome` record
-- :mod:`.plan` / :mod:`.ray_plan`: side-effect-free planning (world, devices, rank env)
-- :mod:`.supervisor`: acquisitions, the monitor, the one teardown path
-- :mod:`.collect` / :mod:`.rootcause`: what the ranks left, and who is to blame
-- :mod:`.policy`: restart or stop; :mod:`.observers`: MLflow, notices, and yours
-- :mod:`.calls`: the active calls and the one ``atexit`` hook
+- `state`: states, typed events, the terminal `Outcome` record
+- `plan` / `ray_plan`: side-effect-free planning (world, devices, rank env)
+- `supervisor`: acquisitions, the monitor, the one teardown path
+- `collect` / `rootcause`: what the ranks left, and who is to blame
+- `policy`: restart or stop; `observers`: MLflow, notices, and yours
+- `calls`: the active calls and the one ``atexit`` hook
 """
 
 from __future__ import annotations

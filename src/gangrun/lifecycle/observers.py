@@ -1,8 +1,8 @@
 """Observers of a call: told of every lifecycle transition, with the outcome so far.
 
-Adding one is a class with the hooks it needs (:class:`Observer` has no-op defaults) passed
-to the supervisor. Today: MLflow tracking (:class:`MlflowObserver`) and the printed notices
-(:class:`NoticeObserver`); a notebook panel would be a third.
+Adding one is a class with the hooks it needs (`Observer` has no-op defaults) passed
+to the supervisor. Today: MLflow tracking (`MlflowObserver`) and the printed notices
+(`NoticeObserver`); a notebook panel would be a third.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Observer:
 
 
 class MlflowObserver(Observer):
-    """One MLflow run per call: created by :meth:`start` as the last acquisition before the
+    """One MLflow run per call: created by `start` as the last acquisition before the
     first launch (its link printed), ended with the outcome's status (logs attached) when the
     call reaches a terminal state."""
 

@@ -2,7 +2,7 @@
 
 Side-effect free: it reads the options, the attached accelerators, the caller's environment,
 ``sys.path`` and working directory, and decides; it acquires nothing (GPU *reservation* is
-the supervisor's, see :mod:`gangrun.lifecycle.supervisor`). ``gangrun info`` uses only this.
+the supervisor's, see `gangrun.lifecycle.supervisor`). ``gangrun info`` uses only this.
 """
 
 from __future__ import annotations
@@ -201,6 +201,8 @@ def tracking_info(
         "args": call_arguments(fn, args, dict(kwargs)),  # by parameter name
         "run_id": plan.run_id,
         "options": opts,  # experiment_name, run_name, run_id, tags, log_system_metrics
+        # the file the call runs, when the callable names it (gangrun run: the script)
+        "source": getattr(fn, "source_file", None),
     }
     if plan.backend == "ray":
         info["backend"] = "ray"

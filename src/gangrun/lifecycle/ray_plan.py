@@ -1,10 +1,10 @@
 """The Ray backend's planner: world size, placement and rank environments on a Ray cluster.
 
-The second planner beside :func:`gangrun.lifecycle.plan.plan_local`. It connects to the
+The second planner beside `gangrun.lifecycle.plan.plan_local`. It connects to the
 cluster (``address=`` / ``RAY_ADDRESS``) to read its resources, sizes the world, and decides
-the :class:`gangrun.launch.RayPlacement` the Ray launcher uses. Knobs (read from ``env=``
+the `gangrun.launch.RayPlacement` the Ray launcher uses. Knobs (read from ``env=``
 first, then the caller's environment): ``GANGRUN_RAY_STRATEGY``, ``GANGRUN_RAY_RUNTIME_ENV``,
-``GANGRUN_RAY_PLACEMENT_TIMEOUT``, ``GANGRUN_RAY_FORWARD_ENV`` (see :mod:`gangrun.contract`).
+``GANGRUN_RAY_PLACEMENT_TIMEOUT``, ``GANGRUN_RAY_FORWARD_ENV`` (see `gangrun.contract`).
 """
 
 from __future__ import annotations

@@ -154,10 +154,14 @@ def build_error(
     more = f"Rank(s) {also} failed as well (err.failures). " if also else ""
     stopped = [r for r in others if r not in failures]
     extra = f"The other rank(s) {stopped} were stopped. " if stopped else ""
-    msg = (
-        f"{head}\n\n{body.rstrip()}\n\n"
-        f"{more}{extra}Full logs: err.logs(rank), or the files in {log_dir}"
-    ).rstrip()
+    # Paragraphs one blank line apart; a rank that died with nothing in its log (a signal,
+    # os._exit) has no body, and leaves no gap either.
+    paragraphs = (
+        head,
+        (body or "").strip("\n").rstrip(),
+        f"{more}{extra}Full logs: err.logs(rank), or the files in {log_dir}",
+    )
+    msg = "\n\n".join(p for p in paragraphs if p.strip())
     err = DistributedError(
         msg,
         rank=rank,

@@ -8,7 +8,7 @@
 
 Any state that is not terminal may also end in FAILED (a launch failure, or a bug in gangrun
 itself: the call still ends, and nothing is left running). An illegal transition is a bug in
-gangrun and raises :class:`IllegalTransition`.
+gangrun and raises `IllegalTransition`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The supervisor of one call: acquires, launches, watches, restarts, collects, tears down.
 
 It owns what it acquired (GPU reservation, run directory, the gang and its output pump; the
-MLflow run through its observer) and releases all of it on ONE path, :meth:`_finish`, for a
+MLflow run through its observer) and releases all of it on ONE path, `_finish`, for a
 partial start, an interrupt, a failure and a normal end alike. A monitor thread waits on the
 call's event queue, which carries the gang's rank exits and the lifecycle's own events
 (cancel); the deadline and the hang guard are the queue wait's timeout (no polling on the
@@ -162,7 +162,7 @@ class Supervisor:
 
     def cancel(self, reason: str = "cancelled", wait: float = 30.0) -> bool:
         """Stop every rank; True if the call was still running. Travels as a
-        :class:`CancelRequested` event on the call's queue."""
+        `CancelRequested` event on the call's queue."""
         if self._done.is_set():
             return False
         with self._lock:

@@ -2,7 +2,7 @@
 source in rank tracebacks, mistakes caught before launch, and a warm first call.
 
 Nothing here imports IPython or ipykernel unless this process already runs in a kernel
-(:func:`in_kernel`), so ``import gangrun`` stays cheap and scripts never pay for it.
+(`in_kernel`), so ``import gangrun`` stays cheap and scripts never pay for it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 
 def bind_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any]) -> None:
-    """Raise :class:`LaunchArgumentError` when ``fn(*args, **kwargs)`` would be a TypeError."""
+    """Raise `LaunchArgumentError` when ``fn(*args, **kwargs)`` would be a TypeError."""
     target = inspect.unwrap(fn)
     try:
         sig = inspect.signature(target)
@@ -49,7 +49,7 @@ def bind_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any
 
 
 def refuse_nested(env: Mapping[str, str] | None = None) -> None:
-    """Raise :class:`LaunchError` when called inside a rank of a gangrun call."""
+    """Raise [`LaunchError`][gangrun.errors.LaunchError] when called inside a rank of a gangrun call."""
     env = os.environ if env is None else env
     run_id = env.get("GANGRUN_RUN_ID")
     if not run_id:

@@ -4,7 +4,7 @@ ipykernel (>= 6.29 / 7) routes what a thread writes to ``sys.stdout``/``sys.stde
 *parent header* current in that thread: ``OutStream.parent_header`` reads a context
 variable, and falls back to the header of whatever cell executes right now. The output pump
 is a thread of its own, so without help a ``submit()``-ed call's lines would land in
-whichever cell runs when they arrive. :func:`cell_writer` captures the launching request's
+whichever cell runs when they arrive. `cell_writer` captures the launching request's
 header at submit time and names it around every write (``set_thread_parent`` /
 ``reset_thread_parent``), so each line keeps its cell, also after that cell finished.
 """

@@ -1,7 +1,7 @@
 """The seams between a call and the notebook: what ``submit()`` and the decorator call.
 
-:func:`attach` runs in ``submit()`` (the launching cell's thread): in a kernel it binds the
-call's stdout/stderr to that cell and, unless turned off, gives the call a :class:`CallState`
+`attach` runs in ``submit()`` (the launching cell's thread): in a kernel it binds the
+call's stdout/stderr to that cell and, unless turned off, gives the call a `CallState`
 whose observer is the live panel. Outside a kernel it does nothing.
 """
 
@@ -21,7 +21,7 @@ def panel_wanted(opts: Any) -> bool:
 
 
 class PanelObserver(Observer):
-    """The lifecycle's observer that feeds a call's :class:`CallState` (and so its panel)."""
+    """The lifecycle's observer that feeds a call's `CallState` (and so its panel)."""
 
     def __init__(self, state: CallState, run: Any) -> None:
         self.state, self.run = state, run

@@ -3,10 +3,10 @@
 Code defined in a notebook cell or in ``__main__`` travels by value (cloudpickle): in the rank
 its frames name a file that does not exist there (``/tmp/ipykernel_NNN/123.py`` for a cell),
 so tracebacks show no source line (cloudpickle even renames that file ``<dynamic-code>``).
-:func:`with_sources` captures the source of every code
+`with_sources` captures the source of every code
 object reachable from the function (its own, nested ones, and functions/classes of
 ``__main__`` it refers to) and wraps the function so that unpickling it in the rank registers
-that source with :mod:`linecache`, gives the code its real file name back, and hands back
+that source with `linecache`, gives the code its real file name back, and hands back
 the plain function: the payload's
 format is unchanged, and no extra frame appears in the rank's tracebacks.
 """

@@ -1,8 +1,8 @@
 """What an observer of one call is told: a small immutable snapshot, filled by the lifecycle.
 
-The lifecycle owns a :class:`CallState` and tells it each transition (start, attempt,
+The lifecycle owns a `CallState` and tells it each transition (start, attempt,
 rank exit, the last line a rank printed, the end); every change is pushed to the observers as
-a :class:`CallSnapshot` through ``on_start`` / ``on_update`` / ``on_end``. Observers must be
+a `CallSnapshot` through ``on_start`` / ``on_update`` / ``on_end``. Observers must be
 cheap in those methods (store and return): they are called from the caller's launch path,
 the output pump and the monitor thread.
 """

@@ -1,9 +1,9 @@
 """MLflow tracking of a call.
 
-Two sides that never import each other: :mod:`.caller` and :mod:`.plan` run in the caller
-(create/resume and end the call's run); :mod:`.rank` runs in rank processes (ends the runs a
+Two sides that never import each other: `caller` and `plan` run in the caller
+(create/resume and end the call's run); `rank` runs in rank processes (ends the runs a
 rank's own code opened before the rank exits). This package module imports neither, so a rank
-importing :mod:`gangrun.tracking.rank` loads nothing of the caller side; the caller-side names
+importing `gangrun.tracking.rank` loads nothing of the caller side; the caller-side names
 below are loaded on first use.
 """
 

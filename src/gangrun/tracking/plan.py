@@ -2,7 +2,7 @@
 
 Everything here runs in the caller before any rank starts, so bad input (a ``run_id`` that does
 not exist, an ``experiment_name`` that is not the resumed run's experiment) is a
-:class:`~gangrun.errors.LaunchError` while nothing runs yet. Only MLflow's public API is used.
+[`LaunchError`][gangrun.errors.LaunchError] while nothing runs yet. Only MLflow's public API is used.
 
 How the run is chosen (see docs/tracking.md):
 
@@ -108,7 +108,7 @@ def call_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any
 
 @dataclass
 class RunPlan:
-    """What :meth:`Tracker.start` will do: create a run, or resume ``resume_run``."""
+    """What `Tracker.start` will do: create a run, or resume ``resume_run``."""
 
     tracking_uri: str
     experiment_id: str
@@ -211,8 +211,12 @@ def plan_run(opts: Any, info: Mapping[str, Any], mlflow: Any, client: Any, uri: 
     return RunPlan(uri, exp_id, run_name or str(info.get("function")), parent_run_id=parent_id)
 
 
-def context_tags() -> dict[str, str]:
-    """The source tags MLflow's fluent ``start_run`` would add: user, source, git commit."""
+def context_tags(source: str | None = None) -> dict[str, str]:
+    """The source tags MLflow's fluent ``start_run`` would add: user, source, git commit.
+
+    ``source``: the file the call runs (``gangrun run script.py``: the script, not the
+    ``gangrun`` executable); default the caller's ``sys.argv[0]``, as MLflow does. The commit
+    is that of the git repository holding that file, or no tag when it is in none."""
     tags: dict[str, str] = {"mlflow.source.type": "LOCAL"}
     try:
         import getpass
@@ -220,7 +224,8 @@ def context_tags() -> dict[str, str]:
         tags["mlflow.user"] = getpass.getuser()
     except Exception:  # no user name for this uid (some containers): MLflow leaves it out too
         pass
-    source = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if not source:
+        source = sys.argv[0] if sys.argv and sys.argv[0] else ""
     if source:
         tags["mlflow.source.name"] = source
     if "ipykernel" in sys.modules:

@@ -1,10 +1,10 @@
 """Rank side of tracking: end the MLflow runs a rank's own code opened, before it exits.
 
-A rank leaves with ``os._exit`` (see :mod:`gangrun.worker`), which skips MLflow's exit hook:
+A rank leaves with ``os._exit`` (see `gangrun.worker`), which skips MLflow's exit hook:
 good for the call's own run (that hook would end it from a rank, while other ranks still log),
 bad for every run the rank's code opened itself (``mlflow.log_metric`` without a run
 auto-creates one; ``mlflow.start_run()`` left open): they would stay RUNNING forever. So,
-before the rank exits, :meth:`RankRuns.end` flushes MLflow's asynchronous queues and ends the
+before the rank exits, `RankRuns.end` flushes MLflow's asynchronous queues and ends the
 rank's active fluent runs, innermost first, FINISHED when the rank succeeded and FAILED when it
 raised (as the exit hook plus ``with mlflow.start_run()`` would under torchrun), stopping at
 the call's own run (``MLFLOW_RUN_ID`` given by the caller), which only the caller ends.

@@ -1,22 +1,22 @@
 """Ranks forked from a warm helper: fork speed without forking the caller.
 
 The fork server is a helper process started lazily by the first launch (per start-up
-signature: see :mod:`.client`). It imports the heavy modules (``GANGRUN_PRELOAD``, default
+signature: see `client`). It imports the heavy modules (``GANGRUN_PRELOAD``, default
 ``torch``; comma-separated, ``none`` for nothing) and never initialises CUDA, then waits on a
 private unix socket pair. For each launch the caller sends the ranks' environments together
 with each rank's stdout/stderr pipe ends, the caller's liveness pipe and a per-rank status pipe
-(``SCM_RIGHTS``, :mod:`.protocol`); the server (:mod:`.server`) forks one child per rank and
-answers with the pids; each child becomes a rank (:mod:`.child`).
+(``SCM_RIGHTS``, `protocol`); the server (`server`) forks one child per rank and
+answers with the pids; each child becomes a rank (`child`).
 
 If the caller dies, its ranks see their liveness pipe close (as with spawned ranks) and the
 server sees its control socket close and exits. If the server dies, every rank it forked sees
 the server's own liveness pipe close and kills its tree; the next launch starts a new server.
 When the server cannot be started, the launch falls back to fresh interpreters (chosen once,
-in :func:`gangrun.launch.gang.choose_spawner`).
+in `gangrun.launch.gang.choose_spawner`).
 
 Modules: ``protocol`` (typed messages, framing), ``server`` (the server process), ``child`` (a
 forked child becoming a rank), ``client`` (the caller's handles and the per-signature
-registry), ``spawner`` (the :class:`~gangrun.launch.Spawner`).
+registry), ``spawner`` (the `Spawner`).
 """
 
 from __future__ import annotations

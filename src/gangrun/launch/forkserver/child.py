@@ -4,13 +4,13 @@ Its own session and process group, default signal dispositions, only the fds it 
 (done by the server right after the fork), then here: the rank's environment (also in
 ``/proc/PID/environ``, so tools and the run sweep see it), std streams like a fresh
 interpreter's (Python's and C's), fresh random seeds, ``OMP_NUM_THREADS`` applied to torch,
-the server's death taken as the caller's; then :func:`gangrun.worker.main` loads the payload
+the server's death taken as the caller's; then `gangrun.worker.main` loads the payload
 (after the fork, so edited code is what runs).
 
-``/proc/PID/environ`` room: the server was started with a :data:`PAD_LEN`-byte padding
+``/proc/PID/environ`` room: the server was started with a `PAD_LEN`-byte padding
 variable first in its environment block; a rank overwrites it with its own variables,
 ``GANGRUN_*`` and the torchrun variables first. Variables that do not fit are left out of
-that *view* only (``os.environ`` in the rank has them all); :mod:`..limits` keeps every
+that *view* only (``os.environ`` in the rank has them all); `limits` keeps every
 single variable under the kernel's exec limit, and ``GANGRUN_RUN_ID`` always fits.
 """
 
@@ -28,7 +28,7 @@ PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's
 
 
 def pad_value() -> str:
-    """The value of :data:`~gangrun.contract.ENVIRON_PAD` the server is started with."""
+    """The value of `ENVIRON_PAD` the server is started with."""
     return "x" * (PAD_LEN - len(contract.ENVIRON_PAD) - 2)
 
 

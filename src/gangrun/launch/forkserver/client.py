@@ -233,7 +233,7 @@ class Registry:
 
     def lease(self, env_sig: Signature, pool: int = 2) -> ForkServer:
         """A running server for this signature (started if needed); give it back with
-        :meth:`release` when the gang is done."""
+        `release` when the gang is done."""
         key = (preload_modules(), env_sig)
         idle: list[ForkServer] = []
         with self._lock:

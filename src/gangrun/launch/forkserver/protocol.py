@@ -1,13 +1,13 @@
 """The fork server's wire protocol: typed messages over a unix ``SOCK_SEQPACKET`` pair.
 
-One message is one pickled dataclass (at most :data:`MSG_MAX` bytes) plus, for a fork, the
-rank's pipe ends as ``SCM_RIGHTS`` ancillary data. The caller sends :class:`Init` once, then
-:class:`Fork` / :class:`Info` requests, each answered by one reply. An idle pre-forked child
-gets its rank as :class:`Assign` on its own socket pair.
+One message is one pickled dataclass (at most `MSG_MAX` bytes) plus, for a fork, the
+rank's pipe ends as ``SCM_RIGHTS`` ancillary data. The caller sends `Init` once, then
+`Fork` / `Info` requests, each answered by one reply. An idle pre-forked child
+gets its rank as `Assign` on its own socket pair.
 
-File descriptors of a :class:`Fork`: :data:`FDS_PER_RANK` per rank, in rank order:
+File descriptors of a `Fork`: `FDS_PER_RANK` per rank, in rank order:
 ``stdout write end, stderr write end, caller liveness read end, status write end``; the server
-writes the rank's exit code (:data:`STATUS`) into the status pipe when it reaps the rank.
+writes the rank's exit code (`STATUS`) into the status pipe when it reaps the rank.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Fork:
 
 @dataclass(frozen=True)
 class Info:
-    """Request: the server's :class:`ServerInfo`."""
+    """Request: the server's `ServerInfo`."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class Ready:
-    """The answer to :class:`Init`: preloading is done."""
+    """The answer to `Init`: preloading is done."""
 
     info: ServerInfo
 

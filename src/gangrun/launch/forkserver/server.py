@@ -1,7 +1,7 @@
 """The fork server process: preloads, then forks one child per rank on request.
 
 It imports the heavy modules once (never initialising CUDA) and waits on its control socket.
-For each :class:`~.protocol.Fork` it hands every rank to an idle pre-forked child (or forks
+For each `Fork` it hands every rank to an idle pre-forked child (or forks
 one), keeps the rank's status pipe, and answers with the pids. It is the ranks' parent: it
 reaps them (``SIGCHLD`` wakes its loop) and writes each exit code into that rank's status
 pipe, so the caller sees an exit within a millisecond.

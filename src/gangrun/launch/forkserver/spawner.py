@@ -1,4 +1,4 @@
-"""The fork server behind the :class:`~gangrun.launch.Spawner` protocol (cf. CPython's
+"""The fork server behind the `Spawner` protocol (cf. CPython's
 ``popen_forkserver``: a fork server hidden behind an ordinary per-process handle)."""
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Ray is the engine; gangrun does not schedule nodes itself. One call reserves one placement
 group bundle per rank (``{"GPU": 1}`` for ``gpus=``, ``{"CPU": 1}`` for ``processes=``; PACK
-by default), starts one small actor per rank inside its bundle (:mod:`.actor`), and each actor
+by default), starts one small actor per rank inside its bundle (`actor`), and each actor
 runs its rank as the spawn launcher does. The caller's side is the usual gang over a
-:class:`~.spawner.RaySpawner`: rank output is forwarded from the actors into local pipes read
+`RaySpawner`: rank output is forwarded from the actors into local pipes read
 by the output pump, and each rank's result or error file is shipped back into the caller's run
 directory before its exit is reported. Everything after that (results, root cause, timeout,
 cancel, interrupt, MLflow, restarts) is the lifecycle's shared code.
@@ -26,8 +26,8 @@ Knobs (environment variables, read from ``env=`` first, then the caller's enviro
 - ``GANGRUN_RAY_FORWARD_ENV``: comma-separated names of further caller variables to ship.
 
 Modules: ``placement`` (connection, placement group, per-node environments), ``actor`` (the
-rank actor), ``spawner`` (the :class:`~gangrun.launch.Spawner`). The planning (world size,
-bundle, strategy, runtime env) is the lifecycle's: :mod:`gangrun.lifecycle.ray_plan`.
+rank actor), ``spawner`` (the `Spawner`). The planning (world size,
+bundle, strategy, runtime env) is the lifecycle's: `gangrun.lifecycle.ray_plan`.
 """
 
 from __future__ import annotations

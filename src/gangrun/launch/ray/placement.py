@@ -65,7 +65,7 @@ def placement_of(spec: GangSpec) -> RayPlacement:
 
 
 def reserve(ray: Any, placement: RayPlacement, n: int) -> Any:
-    """A ready placement group of ``n`` bundles, or :class:`LaunchError` after the timeout."""
+    """A ready placement group of ``n`` bundles, or [`LaunchError`][gangrun.errors.LaunchError] after the timeout."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundle = placement.bundle

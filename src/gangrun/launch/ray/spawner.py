@@ -1,8 +1,8 @@
-"""Ray actors behind the :class:`~gangrun.launch.Spawner` protocol.
+"""Ray actors behind the `Spawner` protocol.
 
-One call reserves one placement group bundle per rank, starts one :class:`RankActor` per
+One call reserves one placement group bundle per rank, starts one `RankActor` per
 rank inside its bundle, and each actor runs its rank on its node. A rank's handle
-(:class:`RayProcess`) forwards the rank's output from the actor into the gang's local pipes
+(`RayProcess`) forwards the rank's output from the actor into the gang's local pipes
 (read by the usual output pump: ``[rank N]`` prefixes, log files) and ships its result or
 error file back into the caller's run directory before its exit is reported.
 """
@@ -30,7 +30,7 @@ POLL_S = 2.0  # an idle rank's poll returns this often; output and exits return 
 
 
 class RayProcess:
-    """One rank on a Ray actor; :meth:`wait` forwards its output until it ends."""
+    """One rank on a Ray actor; `wait` forwards its output until it ends."""
 
     def __init__(self, spawner: RaySpawner, rank: int, pid: int, io: RankIO) -> None:
         self.spawner = spawner

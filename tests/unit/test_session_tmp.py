@@ -1,0 +1,43 @@
+"""The test session's temporary directory is removed at exit, and processes the session
+starts (ranks importing ``conftest`` again to unpickle a test's function) make none."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+IMPORT_CONFTEST = (
+    f"import sys; sys.path.insert(0, {str(TESTS)!r}); import conftest; print(conftest._SESSION_TMP)"
+)
+
+
+def _import_conftest(tmp: Path, **extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "GANGRUN_TEST_SESSION_TMP"}
+    env.update(TMPDIR=str(tmp), **extra)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_CONFTEST],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_session_tmp_is_removed_when_the_session_exits(tmp_path):
+    made = _import_conftest(tmp_path)
+    assert Path(made).parent == tmp_path  # it was made there...
+    assert not list(tmp_path.glob("gangrun-tests-*"))  # ...and removed at exit
+
+
+def test_a_process_of_the_session_reuses_its_tmp(tmp_path):
+    session = tmp_path / "gangrun-tests-session"
+    session.mkdir()
+    used = _import_conftest(tmp_path, GANGRUN_TEST_SESSION_TMP=str(session))
+    assert used == str(session)
+    assert [p.name for p in tmp_path.iterdir()] == [session.name]  # none of its own
+    assert session.is_dir()  # and the session's is left to the session
