@@ -1,11 +1,11 @@
 """Between two attempts of a call: what the ended attempt did, whether to restart, the back-off.
 
-The supervisor hands each ended :class:`~gangrun.lifecycle.state.Attempt` to
-:meth:`Restarts.after` *before* the run directory's per-attempt files are cleared: it reads
-the ranks' step reports (:mod:`gangrun.progress`), turns the root cause into
-:class:`~gangrun.lifecycle.policy.AttemptFacts`, asks the :class:`RestartPolicy` and writes
+The supervisor hands each ended `Attempt` to
+`Restarts.after` *before* the run directory's per-attempt files are cleared: it reads
+the ranks' step reports (`gangrun.progress`), turns the root cause into
+`AttemptFacts`, asks the `RestartPolicy` and writes
 the verdict onto the attempt (which observers see: the notice, the MLflow run's
-``gangrun_attempts.json``, the panel). :meth:`Restarts.back_off` waits before a restart on the
+``gangrun_attempts.json``, the panel). `Restarts.back_off` waits before a restart on the
 call's own event queue, so a cancel (``handle.cancel()``, a ``KeyboardInterrupt``, the
 caller's exit) ends the wait at once, and the call's deadline ends it too.
 """
@@ -35,7 +35,7 @@ _MAX_MESSAGE = 1000
 
 
 class CallInfo(Protocol):
-    """What :class:`Restarts` reads of the call (``observers.CallInfo``)."""
+    """What `Restarts` reads of the call (``observers.CallInfo``)."""
 
     run_id: str
     fn_name: str

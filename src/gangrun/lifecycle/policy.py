@@ -8,13 +8,13 @@ The rules (docs/restarts.md, "Restart rules"), in the order they are applied:
 3. A failure *worth retrying* restarts: a rank killed by a signal or ending with an exit
    status but no Python exception (the OOM killer, a segfault, ``os._exit``), a hang caught by
    the guard, a lost Ray node, a collective timeout or a connection reset (the exception is
-   a peer's echo or a network/timeout error: see :data:`TRANSIENT_TYPES`,
-   :func:`is_transient_exception`).
+   a peer's echo or a network/timeout error: see `TRANSIENT_TYPES`,
+   `is_transient_exception`).
 4. The rest is a Python exception raised by the root-cause rank. It is *certain to repeat*,
    and stops the restarts at once, when
 
    a. the same exception type was raised from the same innermost frame of user code
-      (file, line, function; :func:`gangrun.records.user_frame`) on the previous attempt, or
+      (file, line, function; `gangrun.records.user_frame`) on the previous attempt, or
    b. it is not ``SystemExit`` and the attempt made no progress: no rank reported a step
       (``gangrun.report_step``) or a completed restore (the checkpoint manager's
       ``progress.report_resumed``) before it failed (an ``ImportError``, a ``TypeError`` in
@@ -84,7 +84,7 @@ def is_transient_exception(exc_type: str, message: str) -> bool:
 @dataclass(frozen=True)
 class AttemptFacts:
     """What the policy knows of one ended attempt (process-free: built by
-    :mod:`gangrun.lifecycle.attempts` from the root cause and the step reports)."""
+    `gangrun.lifecycle.attempts` from the root cause and the step reports)."""
 
     state: State
     exc_type: str | None = None  # the root cause's exception; None: signal, exit status, hang
@@ -123,7 +123,7 @@ class RestartPolicy:
 
     @classmethod
     def of(cls, options: Any) -> RestartPolicy:
-        """The policy of a call's :class:`gangrun.Options`."""
+        """The policy of a call's [`gangrun.Options`][gangrun.api.Options]."""
         return cls(options.max_restarts, options.restart_backoff, options.restart_backoff_max)
 
     def delay(self, restart: int) -> float:

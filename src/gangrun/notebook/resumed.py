@@ -1,5 +1,5 @@
 """The step a running attempt resumed from, for the panel ("attempt 2/4, resumed from step
-1200"): read from the ranks' step reports (:mod:`gangrun.progress`; the checkpoint manager
+1200"): read from the ranks' step reports (`gangrun.progress`; the checkpoint manager
 reports a completed restore with ``progress.report_resumed``)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ log = logging.getLogger("gangrun.notebook")
 
 class ResumeWatch:
     """A daemon thread that reads the run directory's step reports every ``interval``
-    seconds while the call runs and tells the :class:`CallState` the resumed step."""
+    seconds while the call runs and tells the `CallState` the resumed step."""
 
     def __init__(self, state: CallState, run: Any, interval: float = 1.0) -> None:
         self.state, self.run, self.interval = state, run, interval
