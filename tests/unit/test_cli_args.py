@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gangrun.options import RayOptions
 from gangrun.cli import _split_run, exit_code_for
 from gangrun.errors import (
     DistributedCancelledError,
@@ -76,6 +77,7 @@ FLAG_CASES = [
     (["--start-method", "spawn"], "start_method", "spawn"),
     (["--backend", "ray"], "backend", "ray"),
     (["--address", "head:6379"], "address", "head:6379"),
+    (["--ray", '{"ship": false}'], "ray", RayOptions(ship=False)),
     (["--system-metrics"], "log_system_metrics", True),
     (["--no-system-metrics"], "log_system_metrics", False),
     (["--hang-timeout", "2m"], "hang_timeout", 120.0),

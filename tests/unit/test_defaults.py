@@ -8,6 +8,7 @@ import json
 import pytest
 
 import gangrun
+from gangrun.options import RayOptions
 from gangrun import LaunchError, Options, distributed
 from gangrun import defaults as d
 
@@ -29,6 +30,7 @@ ENV_CASES = {
     "start_method": ("spawn", "spawn"),
     "backend": ("ray", "ray"),
     "address": ("head:6379", "head:6379"),
+    "ray": ('{"ship": false, "pip": ["x"]}', RayOptions(ship=False, pip=("x",))),
     "log_system_metrics": ("true", True),
     "hang_timeout": ("90s", 90.0),
     "gpu_wait": ("none", None),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..options import RayOptions
     from ..output import OutputPump
 
 
@@ -40,6 +41,7 @@ class RayPlacement:
     placement_timeout: float = 300.0
     gpu_type: str | None = None  # checked against each node's accelerator
     user_omp: bool = False  # OMP_NUM_THREADS set by the user: keep it on every node
+    shipping: RayOptions | None = None  # what ships to the nodes (None: nothing)
 
 
 @dataclass

@@ -1,0 +1,206 @@
+"""backend="ray" on a real two-raylet cluster whose second node does not see the caller's files.
+
+See :mod:`raycluster`: the head shares this process's filesystem view, the second raylet runs
+in its own mount namespace with the project's parent directory hidden under an empty tmpfs.
+Environment synchronisation (issue 22) is what makes the project's modules and data files
+reach the second node; the errors name the node and the fix when something did not travel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+
+pytest.importorskip("ray")
+
+from gangrun import DistributedError, LaunchError, distributed  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MYLIB = "VALUE = 42\n"
+NODE = r"node [0-9.]+ \(Ray node id [0-9a-f]{16}\)"  # how errors name a node
+EARLIER = "def twice(x):\n    return 2 * x\n"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The directory hidden on the second node: the project and an 'outside' directory."""
+    root = tmp_path_factory.mktemp("hidden")
+    proj = root / "project"
+    (proj / "data").mkdir(parents=True)
+    (proj / "mylib.py").write_text(MYLIB)
+    (proj / "earlier_cell_mod.py").write_text(EARLIER)
+    (proj / "data" / "x.txt").write_text("payload")
+    (proj / ".gitignore").write_text("secret.txt\n")
+    (proj / "secret.txt").write_text("ignored")
+    (root / "outside").mkdir()
+    (root / "outside" / "x.txt").write_text("far away")
+    (root / "outside" / "outsidemod.py").write_text("VALUE = 1\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cluster(base):
+    import ray
+    from raycluster import TwoRaylets
+
+    temp = tempfile.mkdtemp(prefix="grray-", dir="/tmp")  # short: Ray's socket paths
+    c = TwoRaylets(temp, str(base))
+    try:
+        c.start()
+        ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
+        yield c
+    finally:
+        ray.shutdown()
+        left = c.stop()
+        assert not left, f"processes of the cluster survived: {left}"
+
+
+@pytest.fixture
+def project(base, monkeypatch):
+    """The caller works in the project, which is on its sys.path (as a notebook's directory
+    is in a kernel)."""
+    monkeypatch.chdir(base / "project")
+    monkeypatch.syspath_prepend(str(base / "project"))
+    return base / "project"
+
+
+def _opts(cluster, **kw):
+    env = {"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD", **kw.pop("env", {})}
+    return dict(processes=2, backend="ray", address=cluster.address, env=env, mlflow=False, **kw)
+
+
+def uses_project() -> dict:
+    import mylib  # beside the caller, imported by name inside the function
+
+    with open("data/x.txt") as f:  # a relative data file
+        data = f.read()
+    with open(f"written.{os.environ['RANK']}", "w") as f:  # a relative write
+        f.write("x")
+    return {
+        "value": mylib.VALUE,
+        "data": data,
+        "node": os.environ["GANGRUN_RAY_NODE_ID"],
+        "cwd": os.getcwd(),
+    }
+
+
+def _caller_node_rank(out: list[dict]) -> int:
+    import ray
+
+    head = ray.get_runtime_context().get_node_id()  # this driver runs on the head's node
+    return [o["node"] for o in out].index(head)
+
+
+def _earlier_cell_function():
+    """A function as a notebook makes it: defined in ``__main__`` (pickled by value) and using
+    a module imported in an earlier cell (pickled by reference)."""
+    ns = {"__name__": "__main__"}
+    exec("import earlier_cell_mod\ndef f(x):\n    return earlier_cell_mod.twice(x)\n", ns)
+    return ns["f"]
+
+
+def test_project_modules_and_data_reach_both_nodes(cluster, project):
+    from gangrun.launch.ray import ship
+
+    before = list(ship.uploads)
+    fn = distributed(**_opts(cluster))(uses_project)
+    out = fn.distributed()
+    assert out[0]["node"] != out[1]["node"]  # really on the two raylets
+    assert [o["value"] for o in out] == [42, 42]
+    assert [o["data"] for o in out] == ["payload", "payload"]
+    # the rank on the caller's node runs in the caller's real directory; the other in the
+    # shipped copy, where relative paths mean the same files
+    here = _caller_node_rank(out)
+    there = 1 - here
+    assert out[here]["cwd"] == str(project)
+    assert out[there]["cwd"] != str(project) and "_ray_pkg_" in out[there]["cwd"]
+    assert (project / f"written.{here}").exists()
+    assert not (project / f"written.{there}").exists()
+    (project / f"written.{here}").unlink()  # the project is as it was before the call again
+    first = ship.uploads[len(before) :]
+    assert len(first) == 2, first  # the project, and the directory of this test module
+
+    f = _earlier_cell_function()
+    assert distributed(**_opts(cluster))(f).distributed(21) == [42, 42]
+    # an unchanged project is not uploaded again: the second call uploaded nothing
+    assert ship.uploads[len(before) :] == first
+    assert len(set(first)) == len(first)
+
+
+def reads_outside(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_file_outside_what_ships_names_node_and_fix(cluster, project, base):
+    fn = distributed(**_opts(cluster, grace_period=1.0))(reads_outside)
+    outside = str(base / "outside" / "x.txt")
+    with pytest.raises(DistributedError) as info:
+        fn.distributed(outside)
+    text = str(info.value)
+    assert "FileNotFoundError" in text
+    assert re.search(NODE, text), text
+    assert f"{outside} exists on this machine" in text
+    assert "RayOptions(paths=" in text  # the setting that ships it
+    # a file the project's .gitignore excludes is said to be excluded
+    with pytest.raises(DistributedError) as info:
+        fn.distributed("secret.txt")
+    assert "excluded (.gitignore" in str(info.value)
+
+
+def imports_by_name() -> int:
+    import outsidemod
+
+    return int(outsidemod.VALUE)
+
+
+def test_module_outside_what_ships_names_node_and_fix(cluster, project, base, monkeypatch):
+    monkeypatch.syspath_prepend(str(base / "outside"))  # importable here, not shipped
+    fn = distributed(**_opts(cluster, grace_period=1.0))(imports_by_name)
+    with pytest.raises(DistributedError) as info:
+        fn.distributed()
+    text = str(info.value)
+    assert "ModuleNotFoundError" in text
+    assert re.search("module 'outsidemod' is not on " + NODE, text), text
+    assert str(base / "outside" / "outsidemod.py") in text
+    # shipping that directory makes it work on both nodes
+    ok = distributed(**_opts(cluster, ray={"paths": [str(base / "outside")]}))(imports_by_name)
+    assert ok.distributed() == [1, 1]
+
+
+def marks_ran(flag: str) -> None:
+    open(flag, "w").close()
+
+
+def test_version_mismatch_is_reported_before_the_function_runs(
+    cluster, project, tmp_path, monkeypatch
+):
+    from gangrun.launch.ray import versions
+
+    mine = versions.local_versions()
+    monkeypatch.setattr(versions, "local_versions", lambda: {**mine, "torch": "1.0.0"})
+    flag = tmp_path / "ran"
+    with pytest.raises(LaunchError) as info:
+        distributed(**_opts(cluster))(marks_ran).distributed(str(flag))
+    text = str(info.value)
+    assert "the function was not started" in text
+    assert re.search(f"torch {re.escape(mine['torch'])} on {NODE} vs 1.0.0 here", text), text
+    assert not flag.exists()
+
+
+def test_over_the_size_cap_names_the_biggest_entries(cluster, project):
+    big = project / "weights.bin"
+    big.write_bytes(os.urandom(300_000))
+    try:
+        fn = distributed(**_opts(cluster, ray={"max_ship_bytes": 200_000}))(marks_ran)
+        with pytest.raises(LaunchError) as info:
+            fn.distributed("x")
+    finally:
+        big.unlink()
+    text = str(info.value)
+    assert "over the limit of" in text and "weights.bin" in text
+    assert "RayOptions(excludes=" in text and "ship=False" in text
