@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from gangrun.options import RayOptions
 from gangrun.cli import _split_run, exit_code_for
 from gangrun.errors import (
     DistributedCancelledError,
@@ -12,6 +11,7 @@ from gangrun.errors import (
     DistributedTimeoutError,
     LaunchError,
 )
+from gangrun.options import RayOptions
 
 
 @pytest.mark.parametrize(

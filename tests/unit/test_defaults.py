@@ -8,9 +8,9 @@ import json
 import pytest
 
 import gangrun
-from gangrun.options import RayOptions
 from gangrun import LaunchError, Options, distributed
 from gangrun import defaults as d
+from gangrun.options import RayOptions
 
 # One value per option, as text for GANGRUN_<OPTION>, and the value it must become. Every
 # field of Options must be here (see test_every_option_has_an_env_case).
