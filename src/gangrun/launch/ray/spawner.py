@@ -41,7 +41,8 @@ class RayProcess:
         self.out_w, self.err_w = io.out_w, io.err_w  # ours until the rank ended
 
     def signal(self, sig: int) -> None:
-        self.spawner.stopping = True
+        if sig in (signal.SIGTERM, signal.SIGKILL):  # the gang is being stopped
+            self.spawner.stopping = True
         try:
             ref = self.spawner.actors[self.rank].signal.remote(sig)
             if sig == signal.SIGKILL:  # the node's sweep is done when we go on
