@@ -204,3 +204,117 @@ def test_over_the_size_cap_names_the_biggest_entries(cluster, project):
     text = str(info.value)
     assert "over the limit of" in text and "weights.bin" in text
     assert "RayOptions(excludes=" in text and "ship=False" in text
+
+
+# ---------------------------------------------------------------- gangs on the cluster
+def gang_setup(flags: str) -> None:
+    """What a notebook's setup does: the process group (and, in real use, a restore)."""
+    import torch.distributed as dist
+
+    import gangrun
+
+    dist.init_process_group("gloo")
+    state = gangrun.rank_state()
+    state["ready"] = True
+    attempt = len(os.listdir(flags))
+    open(os.path.join(flags, f"setup.{os.environ['RANK']}.{attempt}"), "w").close()
+
+
+def _gang(cluster, **kw):
+    import gangrun
+
+    return gangrun.Gang(
+        processes=2,
+        backend="ray",
+        address=cluster.address,
+        mlflow=False,
+        env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"},
+        **kw,
+    )
+
+
+def _wait_no_actors(cluster, wait: float = 30.0) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + wait
+    while cluster.actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return cluster.actors()
+
+
+def test_gang_across_raylets_keeps_state_and_heals(cluster, project, tmp_path, capfd):
+    import functools
+    import signal
+
+    import ray
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    g = _gang(cluster, max_restarts=1, setup=functools.partial(gang_setup, str(flags)))
+    try:
+        nodes = g.execute(
+            "import os, torch, torch.distributed as dist\nos.environ['GANGRUN_RAY_NODE_ID']"
+        )
+        assert nodes[0] != nodes[1]  # one rank on each raylet
+        g.execute("x = int(os.environ['RANK']) + 1")
+        assert g.execute("x") == [1, 2]  # state kept across executions
+        assert g.execute("t = torch.tensor([float(x)]); dist.all_reduce(t); t.item()") == [3.0] * 2
+        g.execute("print('hello from', os.environ['RANK'])")
+        out = capfd.readouterr().out
+        assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+        assert g.run(len, "abc") == [3, 3]
+
+        remote = 1 - nodes.index(ray.get_runtime_context().get_node_id())
+        os.kill(g.pids[remote], signal.SIGKILL)  # the rank on the second raylet dies
+        try:
+            g.execute("import time; time.sleep(0.5); 1")
+        except DistributedError as err:  # the execution it interrupted is lost...
+            assert "healed itself" in str(err), err
+        # ...and the gang works again, with setup re-run on every fresh rank
+        assert g.restarts == 1
+        assert g.execute("ready") == [True, True]
+        assert g.execute("'x' in dir()") == [False, False]  # fresh namespaces
+        assert g.execute(
+            "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+        ) == [2.0, 2.0]
+        assert len(os.listdir(flags)) == 4  # setup ran on 2 ranks x 2 starts
+        err_text = capfd.readouterr().err
+        assert "restarting every rank of the gang (restart 1 of 1) and re-running setup()" in (
+            err_text
+        )
+    finally:
+        g.close()
+    assert not _wait_no_actors(cluster), "rank actors survived the gang's close"
+
+
+GANG_CALLER = """
+import os, sys, time
+import gangrun
+
+address, flag = sys.argv[1], sys.argv[2]
+g = gangrun.Gang(processes=2, backend="ray", address=address, mlflow=False,
+                 env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"})
+g.execute("x = 1")
+open(flag, "w").close()
+time.sleep(300)
+"""
+
+
+def test_gang_caller_killed_leaves_nothing_on_either_raylet(cluster, project, tmp_path, script):
+    import signal
+    import time
+
+    from conftest import assert_no_survivors, run_processes
+
+    flag = tmp_path / "ready"
+    caller = script(GANG_CALLER, cluster.address, str(flag))
+    deadline = time.monotonic() + 120
+    while not flag.exists() and time.monotonic() < deadline:
+        assert caller.poll() is None, caller.communicate()
+        time.sleep(0.2)
+    assert flag.exists(), "the gang did not start"
+    assert len(run_processes(caller.pid)) >= 2 and len(cluster.actors()) == 2
+    caller.send_signal(signal.SIGKILL)  # the kernel dies
+    caller.communicate(timeout=30)
+    assert_no_survivors(caller.pid, wait=30)  # no rank process on either raylet
+    assert not _wait_no_actors(cluster), "rank actors outlived their caller"
