@@ -36,12 +36,23 @@ class Exchanges:
     interrupt_grace: float
 
     # provided by the gang
-    def _died(self, rank: int | None) -> None: ...
-    def _stop(self, reason: str) -> DistributedError | None: ...
-    def _check_usable(self) -> RunHandle[None]: ...
-    def _signal(self, rank: int, sig: int) -> None: ...
-    def _try_lock(self) -> bool: ...
-    def _unlock(self) -> None: ...
+    def _died(self, rank: int | None) -> None:
+        raise NotImplementedError
+
+    def _stop(self, reason: str) -> DistributedError | None:
+        raise NotImplementedError
+
+    def _check_usable(self) -> RunHandle[None]:
+        raise NotImplementedError
+
+    def _signal(self, rank: int, sig: int) -> None:
+        raise NotImplementedError
+
+    def _try_lock(self) -> bool:
+        raise NotImplementedError
+
+    def _unlock(self) -> None:
+        raise NotImplementedError
 
     def _exchange(self, msg: tuple, what: str) -> PerRank:
         __tracebackhide__ = True  # IPython: show the ranks' error, not this frame

@@ -304,8 +304,9 @@ class Gang(Exchanges):
         """Signal one rank (on its node: through its actor on Ray)."""
         handle = self._handle
         if self.options.backend == "ray":
-            if handle is not None:
-                handle._run.gang.signal_rank(rank, sig)
+            attempt = None if handle is None else handle._run.gang
+            if attempt is not None:
+                attempt.signal_rank(rank, sig)
             return
         try:
             os.kill(self._pids[rank], sig)

@@ -120,6 +120,9 @@ class Gang(Protocol):
 
     def alive(self) -> list[int]: ...
 
+    def signal_rank(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to one rank's tree, wherever it runs."""
+
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM every rank's tree, wait up to ``grace``, SIGKILL what is left, sweep."""
 
