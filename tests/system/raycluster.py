@@ -35,7 +35,11 @@ class TwoRaylets:
         self.hidden = hidden
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = dict(os.environ, RAY_TMPDIR=temp, RAY_USAGE_STATS_ENABLED="0")
+        # A private HOME: Ray reads (and other clusters on this machine may write)
+        # ~/.ray/auth_token; a token of someone else's cluster must not reach this one.
+        home = os.path.join(temp, "home")
+        os.makedirs(home, exist_ok=True)
+        self.env = dict(os.environ, RAY_TMPDIR=temp, RAY_USAGE_STATS_ENABLED="0", HOME=home)
         self.env["PATH"] = BIN + os.pathsep + self.env.get("PATH", "")
 
     def _ray_start(self, argv: list[str], wrap: list[str] | None = None) -> None:
@@ -64,9 +68,7 @@ class TwoRaylets:
                 '--resources={"head_node": 1}',
             ]
         )
-        hide = (
-            'mount -t tmpfs -o size=16m tmpfs "$0" && exec "$@"'  # the project is empty there
-        )
+        hide = 'mount -t tmpfs -o size=16m tmpfs "$0" && exec "$@"'  # the project is empty there
         self._ray_start(
             [f"--address={self.address}", '--resources={"other_node": 1}'],
             wrap=["unshare", "--mount", "--propagation", "private", "sh", "-c", hide, self.hidden],

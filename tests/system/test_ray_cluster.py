@@ -16,7 +16,13 @@ import pytest
 
 pytest.importorskip("ray")
 
-from gangrun import DistributedError, LaunchError, distributed  # noqa: E402
+from gangrun import (  # noqa: E402
+    DistributedError,
+    DistributedHangError,
+    DistributedTimeoutError,
+    LaunchError,
+    distributed,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -263,6 +269,17 @@ def test_gang_across_raylets_keeps_state_and_heals(cluster, project, tmp_path, c
         out = capfd.readouterr().out
         assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
         assert g.run(len, "abc") == [3, 3]
+        # an execution past its timeout is interrupted on both nodes (through the actors)...
+        g.timeout = 1.0
+        with pytest.raises(DistributedTimeoutError):
+            g.execute("import time; time.sleep(60)")
+        # ...and one that shows no progress prints every rank's stack into the cell
+        g.timeout, g.hang_timeout = 60.0, 1.0
+        with pytest.raises(DistributedHangError):
+            g.execute("time.sleep(60)")
+        assert "<gang-cell-" in "".join(capfd.readouterr())
+        g.hang_timeout = None
+        assert g.execute("x") == [1, 2]  # still usable, state kept
 
         remote = 1 - nodes.index(ray.get_runtime_context().get_node_id())
         os.kill(g.pids[remote], signal.SIGKILL)  # the rank on the second raylet dies

@@ -170,6 +170,10 @@ class RankActor:
         full[contract.RUN_DIR] = self.dir
         live_r, self._live_w = os.pipe()
         full[contract.LIVENESS_FD] = str(live_r)
+        # Ray's worker threads block signals (its main thread handles them), and a child
+        # inherits the mask of the thread that forks it: start the rank with none blocked,
+        # or it never sees SIGINT (interrupt), SIGUSR1 (stacks) or SIGTERM (grace).
+        mask = signal.pthread_sigmask(signal.SIG_SETMASK, set())
         try:
             self.proc = subprocess.Popen(
                 boot_command(),
@@ -181,6 +185,7 @@ class RankActor:
                 start_new_session=True,
             )
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(live_r)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._open = 2

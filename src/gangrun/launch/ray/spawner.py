@@ -78,6 +78,8 @@ class RayProcess:
             except Exception as exc:
                 if code == 0:
                     lost, code = exc, None
+        if code not in (0, None):
+            self._name_node(code)
         for fd in (self.out_w, self.err_w):
             os.close(fd)
         self.out_w = self.err_w = -1
@@ -87,6 +89,16 @@ class RayProcess:
             self._write_lost(lost)
             return 1
         return code
+
+    def _name_node(self, code: int) -> None:
+        """A rank on another node that ended badly: say where, in its output (and so in
+        the log tail the caller's error shows, for deaths without a Python exception)."""
+        st = self.spawner.started.get(self.rank) or {}
+        if st.get("local", True):
+            return
+        info = self.spawner.nodes.get(self.rank, {})
+        note = f"gangrun: rank {self.rank} (exit {code}) ran on {diagnose.node_label(info)}\n"
+        _write_all(self.err_w, note.encode())
 
     def _write_lost(self, exc: BaseException | None) -> None:
         nodes = self.spawner.nodes
