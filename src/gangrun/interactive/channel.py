@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import DistributedError, DistributedTimeoutError
 from . import protocol
+from .outcome import wrapped
 from .rank import HELLO
 
 log = logging.getLogger("gangrun.interactive")
@@ -74,12 +75,7 @@ class Listener:
                     try:
                         handle.result(timeout=0)
                     except DistributedError as err:
-                        raise DistributedError(
-                            f"the gang's ranks ended while starting: {err}",
-                            rank=err.rank,
-                            exitcode=err.exitcode,
-                            traceback=err.traceback,
-                        ) from err
+                        raise wrapped(f"the gang's ranks ended while starting: {err}", err) from err
                     raise DistributedError("the gang's ranks ended while starting.")
                 if time.monotonic() > deadline:
                     raise DistributedTimeoutError(

@@ -35,7 +35,7 @@ from ..options import DEFAULT_TIMEOUT, Options
 from . import protocol
 from .channel import Listener, release
 from .exchange import Exchanges
-from .outcome import PerRank
+from .outcome import PerRank, wrapped
 from .rank import gang
 
 log = logging.getLogger("gangrun.interactive")
@@ -160,12 +160,8 @@ class Gang(Exchanges):
         try:
             self._exchange(("run", self._payload(self.setup, (), {})), "setup()")
         except DistributedError as err:
-            raise DistributedError(
-                f"the gang's setup() failed, so the gang was not made usable: {err}",
-                rank=err.rank,
-                traceback=err.traceback,
-                exc_type=err.exc_type,
-            ) from err
+            msg = f"the gang's setup() failed, so the gang was not made usable: {err}"
+            raise wrapped(msg, err) from err
 
     def close(self, timeout: float = 30.0) -> None:
         """End the gang: every rank leaves, the MLflow run ends FINISHED. Idempotent."""
@@ -261,16 +257,13 @@ class Gang(Exchanges):
                 raise
             if getattr(err, "before_start", False):
                 return self._exchange(msg, what)
-            raise DistributedError(
+            text = (
                 f"{err}\n\nThe gang healed itself (restart {self.restarts} of "
                 f"{self.max_restarts}: every rank restarted"
                 f"{', setup() re-ran' if self.setup else ''}); this execution was lost, the "
-                "next one runs on the fresh ranks.",
-                rank=err.rank,
-                exitcode=err.exitcode,
-                traceback=err.traceback,
-                exc_type=err.exc_type,
-            ) from err
+                "next one runs on the fresh ranks."
+            )
+            raise wrapped(text, err) from err
 
     def _heal(self, err: DistributedError) -> bool:
         if (
