@@ -24,8 +24,9 @@ def count_setup() -> None:
 
 
 def test_rank_killed_between_cells_is_healed_and_the_cell_runs(capfd):
-    with gangrun.Gang(processes=2, mlflow=False, max_restarts=1, setup=count_setup) as g:
-        assert g.execute("restored") == [7, 7]
+    with gangrun.Gang(processes=2, max_restarts=1, setup=count_setup) as g:
+        run_id = g.handle.mlflow_run_id
+        assert run_id and g.execute("restored") == [7, 7]
         g.execute("lost = 1")
         os.kill(g.pids[1], signal.SIGKILL)
         deadline = time.monotonic() + 30
@@ -34,6 +35,7 @@ def test_rank_killed_between_cells_is_healed_and_the_cell_runs(capfd):
         # the rank died while idle: the gang heals, re-runs setup, then runs this cell
         assert g.execute("(restored, setups, 'lost' in dir())") == [(7, 1, False)] * 2
         assert g.restarts == 1
+        assert g.handle.mlflow_run_id == run_id  # one MLflow run across the restart
         err = capfd.readouterr().err
         assert "restarting every rank of the gang (restart 1 of 1) and re-running setup()" in err
         # no restart left: the next death breaks the gang, as without max_restarts

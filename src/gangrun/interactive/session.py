@@ -273,6 +273,9 @@ class Gang(Exchanges):
         ):
             return False
         self.restarts += 1
+        old = None if self._handle is None else self._handle.mlflow_run_id
+        if old and self.options.mlflow:  # the healed gang continues the same MLflow run
+            self._fn = self._fn.options(run_id=old)
         print(
             f"gangrun: {self._broken}; restarting every rank of the gang (restart "
             f"{self.restarts} of {self.max_restarts})"
