@@ -287,6 +287,7 @@ def test_gang_across_raylets_keeps_state_and_heals(cluster, project, tmp_path, c
             g.execute("import time; time.sleep(0.5); 1")
         except DistributedError as err:  # the execution it interrupted is lost...
             assert "healed itself" in str(err), err
+            assert re.search(NODE, str(err)), err  # a death without exception names its node
         # ...and the gang works again, with setup re-run on every fresh rank
         assert g.restarts == 1
         assert g.execute("ready") == [True, True]
