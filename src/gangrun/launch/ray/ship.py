@@ -36,6 +36,7 @@ from ...serialization import human_bytes
 
 log = logging.getLogger("gangrun.launch.ray")
 ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", ".ipynb_checkpoints/", ".venv/", "venv/")
+MAX_FILES = 200_000  # a walk that finds more is refused (a home directory, a dataset)
 PKG_PREFIX = "_ray_pkg_gr"  # Ray's package names start with _ray_pkg_; ours are recognisable
 _lock = threading.Lock()
 # root -> (stat signature of its file set, content hash): an unchanged tree is not re-read
@@ -232,6 +233,13 @@ def _walk_files(root: str) -> list[str]:
                 stack.append((path, specs))
             elif e.is_file():
                 out.append(path)
+        if len(out) > MAX_FILES:
+            raise LaunchError(
+                f"backend='ray' ships the working directory to the cluster's nodes, but "
+                f"{root} holds more than {MAX_FILES} files. Start from your project's folder, "
+                "exclude the rest (.gitignore, ray=gangrun.RayOptions(excludes=[...])), or turn "
+                "shipping off with RayOptions(ship=False)."
+            )
     return out
 
 
