@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 
 import pytest
 
@@ -240,7 +241,6 @@ def _gang(cluster, **kw):
 
 
 def _wait_no_actors(cluster, wait: float = 30.0) -> list[int]:
-    import time
 
     deadline = time.monotonic() + wait
     while cluster.actors() and time.monotonic() < deadline:
@@ -320,7 +320,6 @@ time.sleep(300)
 
 def test_gang_caller_killed_leaves_nothing_on_either_raylet(cluster, project, tmp_path, script):
     import signal
-    import time
 
     from conftest import assert_no_survivors, run_processes
 
@@ -336,3 +335,43 @@ def test_gang_caller_killed_leaves_nothing_on_either_raylet(cluster, project, tm
     caller.communicate(timeout=30)
     assert_no_survivors(caller.pid, wait=30)  # no rank process on either raylet
     assert not _wait_no_actors(cluster), "rank actors outlived their caller"
+
+
+def test_notebook_cells_on_a_cluster_gang(cluster, project):
+    """A real kernel in the project's folder: ``%%distributed`` cells on a gang with a rank on
+    each raylet, the notebook's module importable on both, output in the cell, an interrupt
+    that leaves the gang usable, and a kernel shutdown that leaves nothing anywhere."""
+    from kernelharness import Kernel, kernel_env
+
+    from conftest import assert_no_survivors
+
+    k = Kernel(kernel_env(), str(project))
+    try:
+        mid = k.execute(
+            "%load_ext gangrun\nimport gangrun\n"
+            f"g = gangrun.Gang(processes=2, backend='ray', address={cluster.address!r}, "
+            "mlflow=False, env={'GANGRUN_RAY_STRATEGY': 'STRICT_SPREAD'})",
+            timeout=180,
+        )
+        assert k.error(mid) is None, k.error(mid)
+        mid = k.execute(
+            "%%distributed g\nimport os, mylib\nprint('hi', os.environ['RANK'])\nmylib.VALUE"
+        )
+        assert k.error(mid) is None, k.error(mid)
+        out = k.stream(mid)
+        assert "[rank 0] hi 0" in out and "[rank 1] hi 1" in out, out
+        result = [m["content"]["data"]["text/plain"] for m in k.of(mid, "execute_result")]
+        assert result == ["[rank 0] 42\n[rank 1] 42"], result
+        mid = k.execute("%%distributed g\nimport time\ntime.sleep(60)", wait=False)
+        time.sleep(3.0)
+        k.km.interrupt_kernel()
+        k.wait_idle(mid, timeout=60)
+        assert (k.error(mid) or {}).get("ename") == "KeyboardInterrupt", k.error(mid)
+        mid = k.execute("%%distributed g\nos.environ['RANK']")
+        result = [m["content"]["data"]["text/plain"] for m in k.of(mid, "execute_result")]
+        assert result == ["[rank 0] '0'\n[rank 1] '1'"], (result, k.error(mid))
+    finally:
+        left = k.shutdown()
+    assert not left, left
+    assert_no_survivors(k.pid, wait=30)
+    assert not _wait_no_actors(cluster), "rank actors outlived the kernel"
