@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .interactive.magic import load_ipython_extension
     from .interactive.rank import rank_state
     from .interactive.session import Gang
+    from .options import RayOptions
     from .progress import report_step
     from .records import RankFailure
 
@@ -40,6 +41,7 @@ _LAZY = {
     "DistributedFunction": "api",
     "RunHandle": "api",
     "Options": "api",
+    "RayOptions": "options",
     "device": "accelerators",
     "backend": "accelerators",
     "heartbeat": "hang",
@@ -73,6 +75,7 @@ __all__ = [
     "DistributedFunction",
     "RunHandle",
     "Options",
+    "RayOptions",
     "device",
     "backend",
     "DistributedError",

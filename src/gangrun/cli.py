@@ -348,6 +348,10 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
 
 def _jsonable(value: Any) -> Any:
+    import dataclasses as dc
+
+    if dc.is_dataclass(value) and not isinstance(value, type):  # an option group
+        return {k: _jsonable(v) for k, v in dc.asdict(value).items()}
     if isinstance(value, dict) or hasattr(value, "items"):
         return dict(value)
     if isinstance(value, tuple):

@@ -25,7 +25,8 @@ Read by the caller (settings of the launch machinery, not per-call options):
                                     comma separated; ``none``)
 ``GANGRUN_FORKSERVER_START_TIMEOUT``  seconds to wait for the fork server's start (300)
 ``GANGRUN_RAY_STRATEGY``            placement group strategy (``PACK``, ``SPREAD``, ...)
-``GANGRUN_RAY_RUNTIME_ENV``         JSON runtime env for the rank actors
+``GANGRUN_RAY_RUNTIME_ENV``         JSON runtime env for the rank actors: the default of
+                                    ``RayOptions.runtime_env`` (option ``ray``)
 ``GANGRUN_RAY_PLACEMENT_TIMEOUT``   seconds to wait for the placement group (300)
 ``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
 ``GANGRUN_CACHE_DIR``               `gangrun.data`'s local file cache

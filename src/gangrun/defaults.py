@@ -106,7 +106,7 @@ def _kind(name: str, annotation: str) -> str:
     a = annotation.replace(" ", "")
     if a.startswith("Literal"):
         return "choice"
-    if "Mapping" in a or "dict" in a:
+    if "Mapping" in a or "dict" in a or a.startswith("RayOptions"):
         return "json"
     if a.startswith("bool"):
         return "bool"

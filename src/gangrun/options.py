@@ -17,6 +17,78 @@ DEFAULT_TIMEOUT = 10800.0
 _OUTPUT_MODES = ("all", "rank0", "none")
 _START_METHODS = ("auto", "spawn", "forkserver")
 _BACKENDS = ("local", "ray")
+DEFAULT_MAX_SHIP_BYTES = 100 << 20
+
+
+# --- Ray option group (issue 22) -------------------------------------------------------
+@dataclass(frozen=True)
+class RayOptions:
+    """How a ``backend="ray"`` call reaches its nodes (``Options.ray``; a dict is accepted).
+
+    Attributes:
+        ship: ship the caller's working directory and the local ``sys.path`` entries the
+            function's modules come from (respecting ``.gitignore``) to nodes that lack
+            them. ``False`` for nodes that already have the code (your own image).
+        paths: further local directories to ship (each goes on the ranks' ``sys.path``).
+        excludes: ``.gitignore``-style patterns left out of what ships.
+        max_ship_bytes: limit on what ships (default 100 MiB; ``None``: no limit).
+        pip: packages Ray installs for the ranks (its runtime env's ``pip``).
+        env_vars: variables Ray sets in the rank actors (its runtime env's ``env_vars``).
+        runtime_env: any other Ray runtime env keys, merged under the above (default:
+            ``GANGRUN_RAY_RUNTIME_ENV``, JSON).
+    """
+
+    ship: bool = True
+    paths: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    max_ship_bytes: int | None = DEFAULT_MAX_SHIP_BYTES
+    pip: tuple[str, ...] = ()
+    env_vars: Mapping[str, str] = field(default_factory=dict)
+    runtime_env: Mapping[str, Any] | None = None
+
+    @classmethod
+    def coerce(cls, value: Any) -> RayOptions:
+        """``value`` as [`RayOptions`][gangrun.options.RayOptions] (from a dict such as ``{"pip": ["x"]}``)."""
+        if isinstance(value, cls):
+            return value.validate()
+        if value is None:
+            return cls()
+        if not isinstance(value, Mapping):
+            raise LaunchError(
+                f"ray must be gangrun.RayOptions(...) or a dict of its fields, got {value!r}."
+            )
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise LaunchError(f"ray: unknown field(s) {unknown}; valid: {sorted(names)}.")
+        kw = dict(value)
+        for name in ("paths", "excludes", "pip"):
+            if name in kw and isinstance(kw[name], (list, tuple)):
+                kw[name] = tuple(kw[name])
+        return cls(**kw).validate()
+
+    def validate(self) -> RayOptions:
+        if not isinstance(self.ship, bool):
+            raise LaunchError(f"ray.ship must be True or False, got {self.ship!r}.")
+        for name in ("paths", "excludes", "pip"):
+            v = getattr(self, name)
+            if isinstance(v, str) or not all(isinstance(x, str) and x for x in v):
+                raise LaunchError(f"ray.{name} must be a list of strings, got {v!r}.")
+        m = self.max_ship_bytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1):
+            raise LaunchError(f"ray.max_ship_bytes must be a positive integer or None, got {m!r}.")
+        if not isinstance(self.env_vars, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env_vars.items()
+        ):
+            raise LaunchError(f"ray.env_vars must be a dict of str to str, got {self.env_vars!r}.")
+        if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
+            raise LaunchError(f"ray.runtime_env must be a dict, got {self.runtime_env!r}.")
+        return self
+
+
+# --- end of the Ray option group
 
 
 @dataclass(frozen=True)
@@ -46,6 +118,7 @@ class Options:
         start_method: ``"auto"`` (fork server when usable), ``"spawn"`` or ``"forkserver"``.
         backend: ``"local"`` (this node) or ``"ray"`` (a Ray cluster).
         address: Ray cluster address (backend ``"ray"``; default ``RAY_ADDRESS``).
+        ray: how a Ray call reaches its nodes: [`RayOptions`][gangrun.options.RayOptions] (shipping, pip, ...).
         log_system_metrics: log CPU/GPU/memory metrics to the MLflow run.
         hang_timeout: stop the gang when a rank makes no progress for this many seconds.
         gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
@@ -67,6 +140,7 @@ class Options:
     start_method: Literal["auto", "spawn", "forkserver"] = "auto"
     backend: Literal["local", "ray"] = "local"
     address: str | None = None
+    ray: RayOptions = field(default_factory=RayOptions)  # issue 22: a typed group
     # MLflow (docs/tracking.md); log_system_metrics None: on for gpus= calls, off for processes=
     log_system_metrics: bool | None = None
     experiment_name: str | None = None
@@ -131,6 +205,7 @@ class Options:
             raise LaunchError(
                 f"start_method must be one of {_START_METHODS}, got {self.start_method!r}."
             )
+        object.__setattr__(self, "ray", RayOptions.coerce(self.ray))  # a dict is accepted
         if self.backend not in _BACKENDS:
             raise LaunchError(f"backend must be one of {_BACKENDS}, got {self.backend!r}.")
         if self.gpu_type is not None and not (
@@ -198,4 +273,4 @@ def _device_list(gpus: Any) -> None:
         raise LaunchError(f"gpus={list(gpus)!r} names a device twice; list each index once.")
 
 
-__all__ = ["Options", "DEFAULT_TIMEOUT"]
+__all__ = ["Options", "RayOptions", "DEFAULT_TIMEOUT"]

@@ -11,6 +11,7 @@ from gangrun.errors import (
     DistributedTimeoutError,
     LaunchError,
 )
+from gangrun.options import RayOptions
 
 
 @pytest.mark.parametrize(
@@ -78,6 +79,7 @@ FLAG_CASES = [
     (["--start-method", "spawn"], "start_method", "spawn"),
     (["--backend", "ray"], "backend", "ray"),
     (["--address", "head:6379"], "address", "head:6379"),
+    (["--ray", '{"ship": false}'], "ray", RayOptions(ship=False)),
     (["--system-metrics"], "log_system_metrics", True),
     (["--no-system-metrics"], "log_system_metrics", False),
     (["--hang-timeout", "2m"], "hang_timeout", 120.0),

@@ -10,6 +10,7 @@ import pytest
 import gangrun
 from gangrun import LaunchError, Options, distributed
 from gangrun import defaults as d
+from gangrun.options import RayOptions
 
 # One value per option, as text for GANGRUN_<OPTION>, and the value it must become. Every
 # field of Options must be here (see test_every_option_has_an_env_case).
@@ -31,6 +32,7 @@ ENV_CASES = {
     "start_method": ("spawn", "spawn"),
     "backend": ("ray", "ray"),
     "address": ("head:6379", "head:6379"),
+    "ray": ('{"ship": false, "pip": ["x"]}', RayOptions(ship=False, pip=("x",))),
     "log_system_metrics": ("true", True),
     "hang_timeout": ("90s", 90.0),
     "gpu_wait": ("none", None),

@@ -68,6 +68,10 @@ def test_gang_option_errors():
     with pytest.raises(gangrun.LaunchError, match="unknown"):
         gangrun.Gang(processes=2, bogus=1)
     with pytest.raises(gangrun.LaunchError, match="max_restarts"):
-        gangrun.Gang(processes=2, max_restarts=1)
+        gangrun.Gang(processes=2, max_restarts=-1)
+    with pytest.raises(gangrun.LaunchError, match="hang_timeout"):
+        gangrun.Gang(processes=2, hang_timeout=0)
+    with pytest.raises(gangrun.LaunchError, match="setup"):
+        gangrun.Gang(processes=2, setup=3)
     with pytest.raises(gangrun.LaunchError, match="timeout"):
         gangrun.Gang(processes=2, timeout=-1)

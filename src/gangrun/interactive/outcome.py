@@ -18,6 +18,19 @@ class PerRank(list):  # type: ignore[type-arg]
         p.text("\n".join(f"[rank {r}] {v!r}" for r, v in enumerate(self)))
 
 
+def wrapped(message: str, err: DistributedError) -> DistributedError:
+    """A gang's own error around ``err``: the message, with the rank, exit code, traceback
+    and exception type of the failure underneath."""
+    return DistributedError(
+        message,
+        rank=err.rank,
+        exitcode=err.exitcode,
+        traceback=err.traceback,
+        exc_type=err.exc_type,
+        run_id=err.run_id,
+    )
+
+
 def failure(
     failed: dict[int, dict[str, Any]], values: PerRank, what: str, run_id: str | None
 ) -> DistributedError:

@@ -1,7 +1,8 @@
 """The wire between a `Gang` and its ranks, and how a cell is compiled.
 
 One message is an 8-byte big-endian length followed by a pickle (protocol 5) of a tuple.
-Caller to rank: ``("exec", cell_id, source)``, ``("run", payload)`` (cloudpickled
+The socket is an AF_UNIX path on one node, ``tcp://host:port`` on a Ray cluster
+(`connect`). Caller to rank: ``("exec", cell_id, source)``, ``("run", payload)`` (cloudpickled
 ``(fn, args, kwargs)``), ``("close",)``. Rank to caller: first ``("hello", token, rank, pid)``,
 then one ``("ok", value_bytes, out_bytes)`` or ``("err", record, out_bytes)`` per command;
 ``out_bytes`` is what the rank wrote through ``sys.stdout``/``sys.stderr`` so far, so the
@@ -31,7 +32,7 @@ def send(sock: socket.socket, msg: tuple) -> None:
     sock.sendall(frame(msg))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -43,15 +44,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def connect(address: str) -> socket.socket:
+    """The rank's end: ``tcp://host:port`` or an AF_UNIX path."""
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    return sock
+
+
 def recv(sock: socket.socket) -> tuple | None:
     """The next message from a blocking socket; ``None`` at end of stream."""
-    head = _recv_exact(sock, HEADER.size)
+    head = recv_exact(sock, HEADER.size)
     if head is None:
         return None
     (n,) = HEADER.unpack(head)
     if n > MAX_MESSAGE:
         raise ValueError(f"message of {n} bytes: not a gangrun peer")
-    body = _recv_exact(sock, n) if n else b""
+    body = recv_exact(sock, n) if n else b""
     if body is None:
         return None
     return pickle.loads(body)  # type: ignore[no-any-return]

@@ -7,10 +7,10 @@ Imports nothing heavy: a rank that only serves cells pays for nothing it does no
 from __future__ import annotations
 
 import builtins
+import faulthandler
 import linecache
 import os
 import signal
-import socket
 import struct
 import sys
 import threading
@@ -130,13 +130,13 @@ def gang(address: str, token: str) -> None:
     """Serve a `gangrun.Gang` on this rank until the caller closes it."""
     global _state
     rank = int(os.environ.get("RANK", "0"))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(address)
+    sock = protocol.connect(address)
     _state = {"__name__": "__main__", "__builtins__": builtins}
     sys.stdout = _Counting(sys.stdout)
     sys.stderr = _Counting(sys.stderr)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # hang reports
     sock.sendall(HELLO.pack(token.encode("ascii"), rank, os.getpid()))
     while True:
         msg = protocol.recv(sock)

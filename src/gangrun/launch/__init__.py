@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..options import RayOptions
     from ..output import OutputPump
 
 
@@ -40,6 +41,7 @@ class RayPlacement:
     placement_timeout: float = 300.0
     gpu_type: str | None = None  # checked against each node's accelerator
     user_omp: bool = False  # OMP_NUM_THREADS set by the user: keep it on every node
+    shipping: RayOptions | None = None  # what ships to the nodes (None: nothing)
 
 
 @dataclass
@@ -117,6 +119,9 @@ class Gang(Protocol):
     def start(self) -> None: ...
 
     def alive(self) -> list[int]: ...
+
+    def signal_rank(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to one rank's tree, wherever it runs."""
 
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM every rank's tree, wait up to ``grace``, SIGKILL what is left, sweep."""

@@ -152,6 +152,13 @@ class ProcessGang:
     def alive(self) -> list[int]:
         return [r for r, ev in self._done.items() if not ev.is_set()]
 
+    def signal_rank(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to one rank's tree, wherever it runs (an interactive gang's
+        interrupt, or its stack request)."""
+        proc = self._procs.get(rank)
+        if proc is not None:
+            proc.signal(sig)
+
     def _signal_all(self, sig: int) -> None:
         for proc in self._procs.values():  # finished ranks too: their leftover descendants
             proc.signal(sig)

@@ -109,14 +109,7 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
     strategy = (_knob(opts, contract.RAY_STRATEGY, "PACK") or "PACK").upper()
     if strategy not in STRATEGIES:
         raise LaunchError(f"GANGRUN_RAY_STRATEGY must be one of {STRATEGIES}, got {strategy!r}.")
-    raw = _knob(opts, contract.RAY_RUNTIME_ENV)
-    try:
-        runtime_env = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise LaunchError(f"GANGRUN_RAY_RUNTIME_ENV is not valid JSON: {exc}") from exc
-    if not isinstance(runtime_env, dict):
-        raise LaunchError("GANGRUN_RAY_RUNTIME_ENV must be a JSON object.")
-    runtime_env = _upload_local_dirs(ray, runtime_env)
+    runtime_env = _upload_local_dirs(ray, runtime_env_of(opts))
     timeout = float(_knob(opts, contract.RAY_PLACEMENT_TIMEOUT, "300") or 300)
     if opts.timeout is not None:
         timeout = min(timeout, float(opts.timeout))
@@ -128,8 +121,59 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
         placement_timeout=timeout,
         gpu_type=opts.gpu_type if kind == "GPU" else None,
         user_omp="OMP_NUM_THREADS" in user or "OMP_NUM_THREADS" in os.environ,
+        shipping=opts.ray,
     )
     return plan, placement
+
+
+def runtime_env_of(opts: Options) -> dict[str, Any]:
+    """The rank actors' Ray runtime env: ``RayOptions.runtime_env`` (default
+    ``GANGRUN_RAY_RUNTIME_ENV``), with ``RayOptions.pip`` and ``env_vars`` merged in."""
+    ro = opts.ray
+    if ro.runtime_env is not None:
+        runtime_env = dict(ro.runtime_env)
+    else:
+        raw = _knob(opts, contract.RAY_RUNTIME_ENV)
+        try:
+            runtime_env = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise LaunchError(f"GANGRUN_RAY_RUNTIME_ENV is not valid JSON: {exc}") from exc
+        if not isinstance(runtime_env, dict):
+            raise LaunchError("GANGRUN_RAY_RUNTIME_ENV must be a JSON object.")
+    if ro.pip:
+        have = runtime_env.get("pip") or []
+        if not isinstance(have, list):
+            raise LaunchError(
+                "RayOptions(pip=...) adds to a runtime env 'pip' list; the runtime env gives "
+                f"{have!r}: put the packages in one place."
+            )
+        runtime_env["pip"] = [*have, *ro.pip]
+    if ro.env_vars:
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **ro.env_vars}
+    mods = runtime_env.get("py_modules")
+    if mods:
+        runtime_env["py_modules"] = [_module_path(m) for m in mods]
+    return runtime_env
+
+
+def _module_path(entry: Any) -> Any:
+    """A ``py_modules`` entry that names a module (``"mylib"`` for ``mylib.py`` beside the
+    caller) as the file or package directory Ray can upload."""
+    if not isinstance(entry, str) or "://" in entry or os.path.exists(entry):
+        return entry
+    if os.path.isfile(entry + ".py"):
+        return os.path.abspath(entry + ".py")
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(entry)
+    except (ImportError, ValueError):
+        return entry
+    if spec is not None and spec.submodule_search_locations:
+        return next(iter(spec.submodule_search_locations), entry)
+    if spec is not None and spec.origin and os.path.isfile(spec.origin):
+        return spec.origin
+    return entry
 
 
 def ship_env(
@@ -194,4 +238,4 @@ def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["plan_ray", "ship_env"]
+__all__ = ["plan_ray", "ship_env", "runtime_env_of"]

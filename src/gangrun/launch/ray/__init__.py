@@ -14,19 +14,23 @@ is joined (``ray.init(address="auto")``); ``address="local"`` starts a private R
 machine for the call's process. If the caller already called ``ray.init`` that connection is
 used as is.
 
+What reaches the nodes is the option group [`gangrun.RayOptions`][gangrun.options.RayOptions] (``ray=``): by default
+the caller's working directory and the local ``sys.path`` entries of the function's modules
+are shipped (`ship`), Ray's ``pip``/``env_vars``/other runtime env keys are merged in
+(``GANGRUN_RAY_RUNTIME_ENV`` is the default of ``runtime_env``). At placement each node's
+Python, gangrun and torch versions are checked (`versions`); a remote rank's failure
+names its node and, for a missing module or file, the fix (`diagnose`).
+
 Knobs (environment variables, read from ``env=`` first, then the caller's environment):
 
 - ``GANGRUN_RAY_STRATEGY``: placement strategy, ``PACK`` (default), ``SPREAD``,
   ``STRICT_PACK`` or ``STRICT_SPREAD``.
-- ``GANGRUN_RAY_RUNTIME_ENV``: JSON Ray runtime env merged into the actors' (``working_dir``,
-  ``py_modules``, ``pip``, ``env_vars``...), to ship code the function imports by name;
-  local directories are uploaded to the cluster as ``ray.init`` does, and with a
-  ``working_dir`` the ranks run in its shipped copy.
 - ``GANGRUN_RAY_PLACEMENT_TIMEOUT``: seconds to wait for the bundles (default 300).
 - ``GANGRUN_RAY_FORWARD_ENV``: comma-separated names of further caller variables to ship.
 
 Modules: ``placement`` (connection, placement group, per-node environments), ``actor`` (the
-rank actor), ``spawner`` (the `Spawner`). The planning (world size,
+rank actor), ``spawner`` (the `Spawner`), ``ship``, ``versions``,
+``diagnose``. The planning (world size,
 bundle, strategy, runtime env) is the lifecycle's: `gangrun.lifecycle.ray_plan`.
 """
 

@@ -28,6 +28,8 @@ from typing import IO, Any
 
 from ... import contract, platform
 from ...rundir import CONTEXT, PAYLOAD, RunDir
+from .ship import caller_paths_only, remote_paths, sees_caller_files
+from .versions import local_versions
 
 log = logging.getLogger("gangrun.launch.ray")
 OWNER = "actor"  # file in an actor's directory: "pid:start-ticks" of the actor process
@@ -112,6 +114,7 @@ class RankActor:
             "cpus": os.cpu_count() or 1,
             "pid": os.getpid(),
             "cwd": os.getcwd(),
+            "versions": local_versions(),
         }
 
     def free_port(self) -> int:
@@ -139,18 +142,26 @@ class RankActor:
             os.close(jr)
         return RunDir(self.dir)
 
-    def start(self, payload: bytes, context: dict[str, Any], env: dict[str, str]) -> int:
+    def start(self, payload: bytes, context: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+        """Start the rank; ``{"pid", "local", "cwd"}`` (``local``: this node sees the caller's
+        files, and the rank runs in the caller's very directory)."""
         from ..spawn import boot_command
 
         rd = self._make_dir()
         with open(rd.payload, "wb") as f:
             f.write(payload)
         ctx = dict(context)
-        # The caller's paths first, then this node's own (runtime_env py_modules/working_dir).
-        paths = list(ctx.get("sys_path") or [])
-        paths += [p for p in sys.path if p not in paths]
-        ctx["sys_path"] = paths
-        if context.get("use_actor_cwd") or not os.path.isdir(str(ctx.get("cwd"))):
+        caller_path = list(ctx.get("sys_path") or [])
+        ship = ctx.pop("ship", None) or {}
+        local = sees_caller_files(ctx.pop("caller_files", None) or {}, str(ctx.get("cwd")))
+        if local:  # the caller's paths first, then this node's own (without shipped copies)
+            own = caller_paths_only(ship, sys.path)
+            ctx["sys_path"] = caller_path + [p for p in own if p not in caller_path]
+        else:
+            shipped_cwd, ctx["sys_path"] = remote_paths(ship, caller_path, sys.path)
+            if shipped_cwd:
+                ctx["cwd"] = shipped_cwd
+        if (context.get("use_actor_cwd") and not local) or not os.path.isdir(str(ctx.get("cwd"))):
             ctx["cwd"] = os.getcwd()
         with open(rd.context, "w") as f:
             json.dump(ctx, f)
@@ -159,6 +170,10 @@ class RankActor:
         full[contract.RUN_DIR] = self.dir
         live_r, self._live_w = os.pipe()
         full[contract.LIVENESS_FD] = str(live_r)
+        # Ray's worker threads block signals (its main thread handles them), and a child
+        # inherits the mask of the thread that forks it: start the rank with none blocked,
+        # or it never sees SIGINT (interrupt), SIGUSR1 (stacks) or SIGTERM (grace).
+        mask = signal.pthread_sigmask(signal.SIG_SETMASK, set())
         try:
             self.proc = subprocess.Popen(
                 boot_command(),
@@ -170,13 +185,14 @@ class RankActor:
                 start_new_session=True,
             )
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(live_r)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._open = 2
         for kind, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
             threading.Thread(target=self._read, args=(kind, pipe), daemon=True).start()
         threading.Thread(target=self._wait, daemon=True).start()
-        return int(self.proc.pid)
+        return {"pid": int(self.proc.pid), "local": local, "cwd": ctx["cwd"]}
 
     def _read(self, kind: str, pipe: IO[bytes]) -> None:
         fd = pipe.fileno()

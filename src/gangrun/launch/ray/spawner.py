@@ -19,9 +19,11 @@ from typing import Any
 
 from ... import serialization
 from ...errors import LaunchError
+from ...records import ErrorRecord
 from ...rundir import RunDir
 from .. import GangSpec, RankIO, RankProcess, RankSpec
 from ..spawn import close_write_ends
+from . import diagnose, ship, versions
 from .actor import RankActor
 from .placement import check_gpu_type, node_envs, placement_of, ray_module, reserve
 
@@ -39,7 +41,8 @@ class RayProcess:
         self.out_w, self.err_w = io.out_w, io.err_w  # ours until the rank ended
 
     def signal(self, sig: int) -> None:
-        self.spawner.stopping = True
+        if sig in (signal.SIGTERM, signal.SIGKILL):  # the gang is being stopped
+            self.spawner.stopping = True
         try:
             ref = self.spawner.actors[self.rank].signal.remote(sig)
             if sig == signal.SIGKILL:  # the node's sweep is done when we go on
@@ -69,10 +72,15 @@ class RayProcess:
                 rd = RunDir(self.spawner.run_dir)
                 paths = {"result": rd.result, "error": rd.error, "progress": rd.progress}
                 for kind, data in files.items():
-                    _write_file(paths[kind](self.rank), data)
+                    path = paths[kind](self.rank)
+                    _write_file(path, data)
+                    if kind == "error":
+                        self.spawner.explain(self.rank, path)
             except Exception as exc:
                 if code == 0:
                     lost, code = exc, None
+        if code not in (0, None):
+            self._name_node(code)
         for fd in (self.out_w, self.err_w):
             os.close(fd)
         self.out_w = self.err_w = -1
@@ -82,6 +90,16 @@ class RayProcess:
             self._write_lost(lost)
             return 1
         return code
+
+    def _name_node(self, code: int) -> None:
+        """A rank on another node that ended badly: say where, in its output (and so in
+        the log tail the caller's error shows, for deaths without a Python exception)."""
+        st = self.spawner.started.get(self.rank) or {}
+        if st.get("local", True):
+            return
+        info = self.spawner.nodes.get(self.rank, {})
+        note = f"gangrun: rank {self.rank} (exit {code}) ran on {diagnose.node_label(info)}\n"
+        _write_all(self.err_w, note.encode())
 
     def _write_lost(self, exc: BaseException | None) -> None:
         nodes = self.spawner.nodes
@@ -120,6 +138,9 @@ class RaySpawner:
         self.actors: dict[int, Any] = {}
         self.pg: Any = None
         self.stopping = False
+        self.manifest: ship.Manifest | None = None
+        self.started: dict[int, dict[str, Any]] = {}
+        self.caller_cwd = ""
 
     def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         try:
@@ -129,19 +150,50 @@ class RaySpawner:
                 raise LaunchError(
                     f"Could not start the ranks' actors on the Ray cluster: {exc}\n"
                     "Is gangrun (with the same Python and torch) installed on every node? "
-                    "Code can also be shipped with GANGRUN_RAY_RUNTIME_ENV, e.g. "
-                    '\'{"py_modules": ["/path/to/gangrun"]}\'.'
+                    "Packages can be installed by Ray: ray=gangrun.RayOptions(pip=[...])."
                 ) from exc
         except BaseException:
             close_write_ends(ranks)
             self.release(0.0)
             raise
 
+    def _ship(self, context: dict[str, Any], payload: bytes, runtime_env: dict[str, Any]) -> None:
+        """Ship the caller's files the ranks may need (`ship`); sets the actors'
+        ``py_modules`` and the context the actors map paths with."""
+        opts = self.placement.shipping
+        if opts is None or not opts.ship:
+            return
+        cwd, sys_path = str(context["cwd"]), list(context.get("sys_path") or [])
+        extra = [os.path.abspath(os.path.expanduser(p)) for p in opts.paths]
+        for p in extra:
+            if not os.path.isdir(p):
+                raise LaunchError(f"ray=RayOptions(paths=[{p!r}]): not a directory here.")
+        extra += ship.module_roots(ship.pickled_modules(payload), sys_path, cwd)
+        with_cwd = "working_dir" not in runtime_env
+        manifest, scanned = ship.build(
+            cwd if with_cwd else None, extra, opts.excludes, opts.max_ship_bytes
+        )
+        ship.upload(manifest, scanned)
+        if manifest.roots:
+            mods = list(runtime_env.get("py_modules") or [])
+            runtime_env["py_modules"] = mods + [r.uri for r in manifest.roots]
+        self.manifest = manifest
+        context["ship"] = manifest.context()
+
     def _start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, pl = self.ray, self.placement
         n = len(ranks)
+        rd = RunDir(spec.run_dir)
+        with open(rd.payload, "rb") as f:
+            payload_bytes = f.read()
+        with open(rd.context) as f:
+            context = json.load(f)
+        runtime_env = dict(pl.runtime_env or {})
+        self._ship(context, payload_bytes, runtime_env)
+        self.caller_cwd = str(context["cwd"])
+        context["caller_files"] = ship.files_identity(self.caller_cwd)
         self.pg = reserve(ray, pl, n)
         actor_cls = ray.remote(RankActor)
         for r in range(n):
@@ -155,28 +207,49 @@ class RaySpawner:
                     placement_group=self.pg, placement_group_bundle_index=r
                 ),
             }
-            if pl.runtime_env:
-                opts["runtime_env"] = pl.runtime_env
+            if runtime_env:
+                opts["runtime_env"] = runtime_env
             self.actors[r] = actor_cls.options(**opts).remote(spec.run_id, r)
         wait = pl.placement_timeout
         infos = ray.get([self.actors[r].node_info.remote() for r in range(n)], timeout=wait)
         self.nodes = dict(enumerate(infos))
+        versions.check(self.nodes)
         check_gpu_type(pl.gpu_type, self.nodes)
         port = int(ray.get(self.actors[0].free_port.remote(), timeout=60))
         envs = node_envs([r for r, _ in ranks], self.nodes, port, pl.user_omp)
-        rd = RunDir(spec.run_dir)
-        with open(rd.payload, "rb") as f:
-            payload = ray.put(f.read())  # once in the object store, not once per rank
-        with open(rd.context) as f:
-            context = json.load(f)
-        context["use_actor_cwd"] = bool(pl.runtime_env and "working_dir" in pl.runtime_env)
-        pids = ray.get(
+        payload = ray.put(payload_bytes)  # once in the object store, not once per rank
+        context["use_actor_cwd"] = "working_dir" in runtime_env
+        started = ray.get(
             [self.actors[r].start.remote(payload, context, envs[r]) for r in range(n)],
             timeout=wait,
         )
+        self.started = dict(enumerate(started))
         return [
-            RayProcess(self, r.rank, int(pid), io) for (r, io), pid in zip(ranks, pids, strict=True)
+            RayProcess(self, r.rank, int(st["pid"]), io)
+            for (r, io), st in zip(ranks, started, strict=True)
         ]
+
+    def explain(self, rank: int, path: str) -> None:
+        """Rewrite a remote rank's error record to name its node and the fix (`diagnose`)."""
+        st = self.started.get(rank) or {}
+        if st.get("local", True):
+            return
+        try:
+            rec = ErrorRecord.coerce(serialization.load_path(path))
+            if rec is None:
+                return
+            shipping = self.placement.shipping is not None and self.placement.shipping.ship
+            rec = diagnose.explain(
+                rec,
+                self.nodes.get(rank, {}),
+                self.manifest,
+                shipping,
+                self.caller_cwd,
+                str(st.get("cwd") or ""),
+            )
+            serialization.atomic_dump(rec, path)
+        except Exception as exc:  # the plain record is still the rank's error
+            log.debug("explaining rank %d's error: %s", rank, exc)
 
     def release(self, grace: float) -> None:
         """Remove every actor's directory, kill the actors, give the bundles back."""

@@ -1,0 +1,113 @@
+"""The notebook-to-rank channel of a `Gang`: where ranks connect back.
+
+On one node an AF_UNIX socket in a private (0700) directory; on a Ray cluster a TCP socket
+on this machine's address as the cluster sees it (``ray.util.get_node_ip_address()``), so
+ranks on any node reach it. Either way a rank proves it knows the gang's random token before
+the caller reads anything else from it (`HELLO`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+from ..errors import DistributedError, DistributedTimeoutError
+from . import protocol
+from .outcome import wrapped
+from .rank import HELLO
+
+log = logging.getLogger("gangrun.interactive")
+POLL_S = 0.25
+
+
+def release(socks: dict[int, socket.socket], path: str) -> None:
+    """Close the ranks' connections (a rank that sees EOF ends its call) and the socket dir."""
+    for s in socks.values():
+        try:
+            s.close()
+        except OSError:
+            log.debug("closing a gang socket failed", exc_info=True)
+    socks.clear()
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Listener:
+    """Where the ranks of one start of a gang connect; ``address`` is what they are given."""
+
+    def __init__(self, tcp_host: str | None) -> None:
+        self.dir = ""
+        if tcp_host is None:
+            self.dir = tempfile.mkdtemp(prefix="gangrun-gang-")
+            os.chmod(self.dir, 0o700)
+            path = os.path.join(self.dir, "s")
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.bind(path)
+            self.address = path
+        else:
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.bind((tcp_host, 0))
+            self.address = f"tcp://{tcp_host}:{self.sock.getsockname()[1]}"
+        self.sock.listen(64)
+        self.sock.settimeout(POLL_S)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def accept(
+        self, handle: Any, token: str, start_timeout: float
+    ) -> tuple[dict[int, socket.socket], dict[int, int]]:
+        """Every rank's authenticated connection and pid (raises if the ranks end first or
+        do not all connect within ``start_timeout``)."""
+        n = handle.world_size
+        socks: dict[int, socket.socket] = {}
+        pids: dict[int, int] = {}
+        deadline = time.monotonic() + start_timeout
+        try:
+            while len(socks) < n:
+                if handle.done():
+                    try:
+                        handle.result(timeout=0)
+                    except DistributedError as err:
+                        raise wrapped(f"the gang's ranks ended while starting: {err}", err) from err
+                    raise DistributedError("the gang's ranks ended while starting.")
+                if time.monotonic() > deadline:
+                    raise DistributedTimeoutError(
+                        f"only {len(socks)} of {n} ranks of the gang started within "
+                        f"start_timeout={start_timeout:g}s; the gang was stopped."
+                    )
+                try:
+                    conn, _ = self.sock.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(10.0)
+                try:
+                    head = protocol.recv_exact(conn, HELLO.size)
+                except OSError:
+                    head = None
+                if head is None:
+                    conn.close()
+                    continue
+                got, rank, pid = HELLO.unpack(head)
+                if not hmac.compare_digest(got, token.encode("ascii")) or not 0 <= rank < n:
+                    log.warning("gang: refused a connection that did not present the gang's token")
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                if conn.family == socket.AF_INET:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                socks[rank] = conn
+                pids[rank] = pid
+        except BaseException:
+            release(socks, "")
+            raise
+        return socks, pids
+
+
+__all__ = ["Listener", "release"]

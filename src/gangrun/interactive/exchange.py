@@ -1,0 +1,270 @@
+"""One execution on every rank of a `Gang`: send, gather the replies (bounded
+by the gang's ``timeout``, watched by its ``hang_timeout``), interrupt what did not come
+back, wait for the ranks' output to reach the cell, and turn the replies into values or an
+error. A mixin of `Gang` (its state lives there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import selectors
+import signal
+import socket
+import time
+from typing import Any
+
+from ..api import RunHandle
+from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
+from . import protocol
+from .outcome import PerRank, failure
+
+log = logging.getLogger("gangrun.interactive")
+POLL_S = 0.25
+DRAIN_S = 1.0
+
+
+class Exchanges:
+    """The execution half of a gang (see the module)."""
+
+    _socks: dict[int, socket.socket]
+    _handle: RunHandle[None] | None
+    _extra: dict[int, int]
+    timeout: float | None
+    hang_timeout: float | None
+    interrupt_grace: float
+
+    # provided by the gang
+    def _died(self, rank: int | None) -> None:
+        raise NotImplementedError
+
+    def _stop(self, reason: str) -> DistributedError | None:
+        raise NotImplementedError
+
+    def _check_usable(self) -> RunHandle[None]:
+        raise NotImplementedError
+
+    def _signal(self, rank: int, sig: int) -> None:
+        raise NotImplementedError
+
+    def _try_lock(self) -> bool:
+        raise NotImplementedError
+
+    def _unlock(self) -> None:
+        raise NotImplementedError
+
+    def _exchange(self, msg: tuple, what: str) -> PerRank:
+        __tracebackhide__ = True  # IPython: show the ranks' error, not this frame
+        if not self._try_lock():
+            raise DistributedError(
+                "another execution is running on this gang; wait for it (one at a time)."
+            )
+        try:
+            handle = self._check_usable()
+            # in a kernel: this execution's output belongs to the cell running it now
+            for stream in (handle._run.stdout, handle._run.stderr):
+                retarget = getattr(stream, "retarget", None)
+                if retarget is not None:
+                    retarget()
+            limit = self.timeout
+            deadline = None if limit is None else time.monotonic() + limit
+            data = protocol.frame(msg)
+            pending = set(self._socks)
+            replies: dict[int, tuple] = {}
+            readers = {r: protocol.Reader() for r in pending}
+            stopped: str | None = None
+            try:
+                for r, s in self._socks.items():
+                    try:
+                        s.sendall(data)
+                    except OSError:
+                        self._died(r)
+                stopped = self._gather(pending, replies, readers, deadline, watch=True)
+                if pending and stopped is None:
+                    stopped = "timeout"
+            except KeyboardInterrupt:
+                stopped = "interrupt"
+            if stopped:
+                self._interrupt(pending, replies, readers, stopped, limit)
+            self._drain(handle, replies)
+            return self._outcome(replies, what, stopped, limit)
+        finally:
+            self._unlock()
+
+    def _progress(self, ranks: set[int]) -> dict[int, int]:
+        """What each rank has shown of itself: bytes of output in its log (forwarded from
+        any node), plus its heartbeat/progress files where they are visible from here."""
+        assert self._handle is not None
+        handle = self._handle
+        out: dict[int, int] = {}
+        for r in ranks:
+            total = 0
+            paths = [os.path.join(handle.log_dir, f"rank-{r}.log")]
+            run_dir = handle._run.run_dir
+            if run_dir:
+                paths += [
+                    os.path.join(run_dir, f"heartbeat.{r}"),
+                    os.path.join(run_dir, f"progress.{r}"),
+                ]
+            for p in paths:
+                try:
+                    st = os.stat(p)
+                    total += st.st_size + st.st_mtime_ns
+                except OSError:
+                    continue
+            out[r] = total
+        return out
+
+    def _gather(
+        self,
+        pending: set[int],
+        replies: dict[int, tuple],
+        readers: dict[int, protocol.Reader],
+        until: float | None,
+        watch: bool = False,
+    ) -> str | None:
+        """Read replies until every pending rank answered or ``until`` passed; ``"hang"``
+        when ``watch`` and the pending ranks made no progress for ``hang_timeout``."""
+        assert self._handle is not None
+        hang = self.hang_timeout if watch else None
+        seen = self._progress(pending) if hang else {}
+        quiet_since = {r: time.monotonic() for r in pending}
+        sel = selectors.DefaultSelector()
+        try:
+            for r in pending:
+                sel.register(self._socks[r], selectors.EVENT_READ, r)
+            while pending:
+                wait = POLL_S if until is None else min(POLL_S, until - time.monotonic())
+                if wait <= 0:
+                    return None
+                for key, _ in sel.select(wait):
+                    r = key.data
+                    try:
+                        data = self._socks[r].recv(1 << 20)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        self._died(r)
+                    for m in readers[r].feed(data):
+                        replies[r] = m
+                        pending.discard(r)
+                        sel.unregister(self._socks[r])
+                if pending and self._handle.done():
+                    self._died(None)
+                if hang and pending:
+                    now = time.monotonic()
+                    cur = self._progress(pending)
+                    for r in pending:
+                        if cur.get(r) != seen.get(r):
+                            seen[r], quiet_since[r] = cur[r], now
+                    if all(now - quiet_since[r] > hang for r in pending):
+                        return "hang"
+            return None
+        finally:
+            sel.close()
+
+    def _interrupt(
+        self,
+        pending: set[int],
+        replies: dict[int, tuple],
+        readers: dict[int, protocol.Reader],
+        why: str,
+        limit: float | None,
+    ) -> None:
+        """SIGINT the ranks still running (after their stacks, for a hang); kill those not
+        back within the grace period."""
+        __tracebackhide__ = True
+        if why == "hang":
+            for r in sorted(pending):
+                self._signal(r, signal.SIGUSR1)  # the rank prints every thread's stack
+            time.sleep(0.2)
+        for r in sorted(pending):
+            self._signal(r, signal.SIGINT)
+        stuck = sorted(pending)
+        try:
+            self._gather(pending, replies, readers, time.monotonic() + self.interrupt_grace)
+        except KeyboardInterrupt:
+            log.debug("gang: interrupted again while ranks stopped; killing the stragglers")
+        if why == "hang":
+            self._hang_error = DistributedHangError(
+                f"the execution made no progress on rank(s) {', '.join(map(str, stuck))} (no "
+                f"output, no gangrun.heartbeat()/report_step()) for hang_timeout="
+                f"{self.hang_timeout:g}s; their stacks are printed above (and in "
+                "g.handle.logs(rank)). The execution was interrupted.",
+                rank=stuck[0],
+            )
+        if not pending:
+            return
+        for r in sorted(pending):
+            self._signal(r, signal.SIGKILL)
+        ranks = ", ".join(map(str, sorted(pending)))
+        self._stop(f"rank(s) {ranks} did not stop within {self.interrupt_grace:g}s")
+        msg = (
+            f"rank(s) {ranks} did not stop within interrupt_grace={self.interrupt_grace:g}s "
+            "and were killed; the gang is broken: call g.restart() for fresh ranks."
+        )
+        if why == "timeout":
+            raise DistributedTimeoutError(
+                f"the execution did not finish within timeout={limit:g}s; {msg}",
+                rank=min(pending),
+            )
+        if why == "hang":
+            raise DistributedHangError(f"{self._hang_error}\n{msg}", rank=min(pending))
+        raise KeyboardInterrupt(msg)
+
+    def _drain(self, handle: RunHandle[None], replies: dict[int, tuple]) -> None:
+        """Wait (briefly) until what each rank printed has reached the caller's output."""
+        until = time.monotonic() + DRAIN_S
+        for r, reply in replies.items():
+            want = reply[-1] + self._extra.get(r, 0)
+            path = os.path.join(handle.log_dir, f"rank-{r}.log")
+            size = 0
+            while True:
+                try:
+                    size = os.stat(path).st_size
+                except OSError:
+                    break
+                if size >= want or time.monotonic() > until:
+                    break
+                time.sleep(0.002)
+            self._extra[r] = max(self._extra.get(r, 0), size - reply[-1])
+
+    def _outcome(
+        self, replies: dict[int, tuple], what: str, stopped: str | None, limit: float | None
+    ) -> PerRank:
+        __tracebackhide__ = True
+        values = PerRank([None] * len(self._socks))
+        failed: dict[int, dict[str, Any]] = {}
+        for r in sorted(replies):
+            kind, body = replies[r][0], replies[r][1]
+            if kind == "err":
+                failed[r] = body
+                continue
+            try:
+                values[r] = None if body is None else pickle.loads(body)
+            except Exception as exc:
+                failed[r] = {
+                    "exc_type": type(exc).__name__,
+                    "message": f"rank {r}'s value cannot be loaded here: {exc}",
+                    "traceback": f"{type(exc).__name__}: {exc}\n",
+                }
+        if stopped == "interrupt":
+            raise KeyboardInterrupt(f"{what} was interrupted on every rank; the gang is usable.")
+        if stopped == "timeout":
+            raise DistributedTimeoutError(
+                f"{what} did not finish within timeout={limit:g}s; every rank was interrupted "
+                "and the gang is still usable."
+            )
+        if stopped == "hang":
+            raise DistributedHangError(f"{self._hang_error} The gang is still usable.")
+        if failed:
+            raise failure(
+                failed, values, what, None if self._handle is None else self._handle.run_id
+            )
+        return values
+
+    _hang_error: DistributedError | None = None
+
+
+__all__ = ["Exchanges", "POLL_S", "DRAIN_S"]
