@@ -255,6 +255,9 @@ def main() -> None:
     from .progress import bind
 
     bind(run_dir, rank)
+    from .stacks import install as install_stacks
+
+    install_stacks(run_dir, rank)  # handle.stacks(), `gangrun stacks`, the hang guard
     if os.environ.get(contract.HANG_TIMEOUT):
         from .hang import install
 
