@@ -156,7 +156,7 @@ def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _elapsed(s: float) -> str:
-    from .lifecycle.watch import fmt_duration
+    from .progress_view import fmt_duration
 
     return fmt_duration(s)
 

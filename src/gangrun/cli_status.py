@@ -43,7 +43,7 @@ class StatusLine:
 
     def follow(self, handle: Any) -> None:
         """Redraw from ``handle.progress()`` until :meth:`close`."""
-        from .lifecycle.watch import summary_line
+        from .progress_view import summary_line
 
         def loop() -> None:
             while not self._stop.wait(REFRESH_S):

@@ -28,15 +28,13 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..platform import process_identity
 from .observers import CallInfo, Observer
 from .state import Outcome, State
 
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
-
+# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle.control")
 
 RECORD = "call.json"
@@ -73,7 +71,7 @@ def peer_uid(conn: socket.socket) -> int | None:
 class ControlObserver(Observer):
     """Writes the call record at each transition and serves the control socket."""
 
-    def __init__(self, run: Supervisor) -> None:
+    def __init__(self, run: Any) -> None:
         self.run = run
         self.started = time.time()
         self.kind = caller_kind()
@@ -168,7 +166,7 @@ class ControlObserver(Observer):
         assert sock is not None
         try:
             while True:
-                ready, _, _ = select.select([sock, wake], [], [])
+                ready, _, _ = select.select([sock.fileno(), wake], [], [])
                 if wake in ready:
                     return
                 conn, _ = sock.accept()
@@ -238,7 +236,7 @@ def _reply(conn: socket.socket, msg: dict[str, Any]) -> None:
         pass
 
 
-def attach(run: Supervisor) -> list[Observer]:
+def attach(run: Any) -> list[Observer]:
     return [ControlObserver(run)]
 
 

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..exitcodes import signal_name
 from .observers import CallInfo, Observer
 from .state import Outcome, State
 
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
-
+# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle")
 
 
 class NarratorObserver(Observer):
-    def __init__(self, run: Supervisor) -> None:
+    def __init__(self, run: Any) -> None:
         self.run = run
         self.t0 = time.monotonic()
         self.attempt_t0 = self.t0
@@ -125,7 +123,7 @@ class NarratorObserver(Observer):
         )
 
 
-def attach(run: Supervisor) -> list[Observer]:
+def attach(run: Any) -> list[Observer]:
     return [NarratorObserver(run)]
 
 

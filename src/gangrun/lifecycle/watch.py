@@ -26,17 +26,15 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import contract
 from ..progress import StepReport, read_all
+from ..progress_view import Progress, RankProgress, summary_line
 from .observers import CallInfo, Observer
 from .state import Outcome, State
 
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
-
+# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle.watch")
 
 SLOW_RATIO = 0.8  # a rank under this fraction of the others' median rate...
@@ -64,78 +62,6 @@ def slow_after() -> float:
 
 def silent_after() -> float:
     return _seconds(contract.SILENT_AFTER, SILENT_AFTER_S)
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    """One rank's progress, as the panel and the status line show it."""
-
-    rank: int
-    step: int | None = None
-    total: int | None = None
-    rate: float | None = None  # steps per second, recent
-    slow_ratio: float | None = None  # set while the rank is slow: its rate / the others' median
-    silent_for: float | None = None  # set while the rank is silent: seconds without progress
-
-
-@dataclass(frozen=True)
-class Progress:
-    """The gang's progress: its slowest rank's step, the median rate, the ETA."""
-
-    step: int | None = None
-    total: int | None = None
-    rate: float | None = None
-    eta_s: float | None = None
-    resumed_from: int | None = None
-    ranks: dict[int, RankProgress] = field(default_factory=dict)
-
-    @property
-    def reported(self) -> bool:
-        return self.step is not None
-
-    @property
-    def slow(self) -> dict[int, float]:
-        return {r: v.slow_ratio for r, v in self.ranks.items() if v.slow_ratio is not None}
-
-    @property
-    def silent(self) -> dict[int, float]:
-        return {r: v.silent_for for r, v in self.ranks.items() if v.silent_for is not None}
-
-
-def fmt_duration(s: float) -> str:
-    s = max(0, int(round(s)))
-    h, rest = divmod(s, 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else (f"{m}m{sec:02d}s" if m else f"{sec}s")
-
-
-def fmt_rate(rate: float | None) -> str:
-    if rate is None:
-        return "-"
-    return f"{rate:.3g} steps/s" if rate >= 0.1 else f"{60 * rate:.3g} steps/min"
-
-
-def summary_line(p: Progress) -> str:
-    """``step 120/1000 (12%) · 3.2 steps/s · ETA 4m35s · slow: rank 1 (0.45x)`` ('' when no
-    rank reports)."""
-    if p.step is None:
-        return ""
-    parts = [f"step {p.step}" + (f"/{p.total}" if p.total else "")]
-    if p.total:
-        parts[0] += f" ({100 * min(p.step, p.total) / p.total:.0f}%)"
-    if p.rate is not None:
-        parts.append(fmt_rate(p.rate))
-    if p.eta_s is not None:
-        parts.append(f"ETA {fmt_duration(p.eta_s)}")
-    if p.slow:
-        parts.append(
-            "slow: " + ", ".join(f"rank {r} ({x:.2f}x)" for r, x in sorted(p.slow.items()))
-        )
-    if p.silent:
-        parts.append(
-            "silent: " + ", ".join(f"rank {r} ({fmt_duration(s)})" for r, s in p.silent.items())
-        )
-    return " · ".join(parts)
 
 
 class ProgressTracker:
@@ -189,17 +115,17 @@ class ProgressTracker:
         silent_s = silent_after()
         ranks: dict[int, RankProgress] = {}
         for r in range(self.world_size):
-            rep = reports.get(r)
+            got = reports.get(r)
             quiet = None
             if last_progress is not None and r in last_progress:
                 idle = now - last_progress[r]
                 quiet = idle if idle >= silent_s else None
-            if rep is None and quiet is None:
+            if got is None and quiet is None:
                 continue
             ranks[r] = RankProgress(
                 r,
-                step=None if rep is None else rep.step,
-                total=None if rep is None else rep.total,
+                step=None if got is None else got.step,
+                total=None if got is None else got.total,
                 rate=rates.get(r),
                 slow_ratio=slow.get(r),
                 silent_for=quiet,
@@ -246,7 +172,7 @@ class Watch:
     """The watching side of one call (``run.watch``): :meth:`progress` reads the run
     directory (at most every :data:`MIN_SAMPLE_S`), :meth:`stacks` asks the ranks."""
 
-    def __init__(self, run: Supervisor) -> None:
+    def __init__(self, run: Any) -> None:
         self.run = run
         self._lock = threading.Lock()
         self._tracker: ProgressTracker | None = None
@@ -343,7 +269,7 @@ def log_final(tracker: Any, p: Progress) -> None:
         log.debug("could not log the final progress: %s", exc)
 
 
-def watching(run: Supervisor) -> list[Observer]:
+def watching(run: Any) -> list[Observer]:
     """Give ``run`` its :class:`Watch` (``run.watch``); the observers that go first in the
     call's list: the DEBUG narration, the progress (its final values reach MLflow before the
     run ends), the node record and control socket (:mod:`gangrun.lifecycle.control`)."""

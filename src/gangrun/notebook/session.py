@@ -68,7 +68,9 @@ def attach(run: Any, opts: Any) -> CallState | None:
 
     shell = get_ipython()
     parent = current_parent(getattr(shell, "display_pub", None)) or current_parent(sys.stdout)
-    state = CallState(run.fn_name, run.run_id, opts.max_restarts, [Panel(shell, parent)])
+    watch = getattr(run, "watch", None)  # progress, slow and silent ranks (lifecycle/watch.py)
+    panel = Panel(shell, parent, progress=None if watch is None else watch.progress)
+    state = CallState(run.fn_name, run.run_id, opts.max_restarts, [panel])
     run.observers.insert(0, PanelObserver(state, run))
     return state
 
