@@ -263,6 +263,9 @@ def main() -> None:
 
         install(run_dir, rank)
     code = run_rank(run_dir, rank)
+    from .progress import flush
+
+    flush()  # the last step report, if the throttle held it back
     before_exit.insert(0, lambda: rank_runs.end(succeeded=code == 0))
     _flush_and_exit(code)
 

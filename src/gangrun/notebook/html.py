@@ -146,7 +146,7 @@ def render_panel(
         + '<table style="border-collapse:collapse;margin:4px 0">'
         f"<tr><th {_TD}>rank</th><th {_TD}>state</th><th {_TD}>exit</th>"
         f"<th {_TD}>step</th><th {_TD}>rate</th>"
-        f"<th {_TD}>last line</th></tr>{rows}</table>" + grid + "</div>"
+        f"<th {_TD}>last line</th></tr>{rows}</table>" + grid + "</div><!--/gangrun-panel-->"
     )
 
 
