@@ -98,12 +98,13 @@ class NarratorObserver(Observer):
             )
         elif state.terminal:
             err = outcome.error
+            tracked = run.mlflow_run_id
             log.debug(
-                "call %s: ended %s (MLflow %s) after %.2fs%s",
+                "call %s: ended %s after %.2fs%s%s",
                 rid,
                 state.value,
-                outcome.mlflow_status,
                 time.monotonic() - self.t0,
+                f" (MLflow run {tracked} {outcome.mlflow_status})" if tracked else "",
                 f": {type(err).__name__}: {str(err).splitlines()[0]}"
                 if err is not None and str(err)
                 else "",
