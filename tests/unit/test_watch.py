@@ -124,7 +124,7 @@ def test_panel_shows_progress_slow_and_silent_marks():
     assert 'class="gangrun-progress">step 40/100 (40%) · 4 steps/s · ETA 15s' in out
     assert 'data-rank="1" data-state="running" data-slow="0.20" data-silent="300"' in out
     assert "slow 0.20x" in out and "handle.stacks()" in out
-    assert 'data-slow' not in out.split('data-rank="1"')[0]  # rank 0 is fine
+    assert "data-slow" not in out.split('data-rank="1"')[0]  # rank 0 is fine
     st.ended("FINISHED")
     final = html.render_panel(st.snapshot, progress=p)
     assert "ETA" not in final and "data-silent" not in final  # frozen: no live guesses
