@@ -137,11 +137,8 @@ class ControlObserver(Observer):
         path = os.path.join(self.run.run_dir, SOCKET)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            old = os.umask(0o177)
-            try:
-                sock.bind(path)
-            finally:
-                os.umask(old)
+            sock.bind(path)  # in the 0700 run directory: no one else can reach it anyway
+            os.chmod(path, 0o600)  # (not umask: that would change other threads' files too)
             sock.listen(4)
         except OSError as exc:  # e.g. a path over the 107 bytes of sun_path
             sock.close()
