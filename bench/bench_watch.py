@@ -142,13 +142,63 @@ def training_loop(reps: int, steps: int = 10_000) -> dict:
     return out
 
 
+def panel_costs(reps: int) -> dict[str, list[float]]:
+    """What the panel's thread does, timed in this process: per redraw (twice a second) read
+    8 ranks' step reports and draw the panel of 8 ranks; per metrics read (every 2.5 s) draw
+    the grid of 12 charts of 2 ranks x 1000 steps each."""
+    import tempfile as _tf
+
+    from gangrun import progress
+    from gangrun.lifecycle.watch import ProgressTracker
+    from gangrun.notebook.html import render_panel, svg_chart
+    from gangrun.notebook.state import CallState
+
+    out: dict[str, list[float]] = {"read_ms": [], "render_ms": [], "grid_ms": []}
+    with _tf.TemporaryDirectory() as d:
+        for r in range(8):
+            progress.bind(d, r)
+            progress.report_step(1, 1000)
+            time.sleep(0.001)
+            progress.report_step(100, 1000)
+            progress.flush()
+        tracker = ProgressTracker(8)
+        st = CallState("train", "r", 0)
+        st.starting(8)
+        st.attempt_started(0)
+        series = {
+            f"metric{m:02d}": [(float(s), 1.0 / (s + 1) + r) for s in range(1000) for r in (0, 1)]
+            for m in range(12)
+        }
+        for _ in range(max(5, reps)):
+            t = time.perf_counter()
+            p = tracker.update(progress.read_all(d, 8), time.time())
+            out["read_ms"].append((time.perf_counter() - t) * 1000)
+            t = time.perf_counter()
+            grid = svg_chart(series)  # once per metrics read (every 2.5 s)
+            out["grid_ms"].append((time.perf_counter() - t) * 1000)
+            t = time.perf_counter()
+            render_panel(st.snapshot, progress=p, grid=grid)  # each redraw (twice a second)
+            out["render_ms"].append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def _paired(on: list[float], off: list[float]) -> float:
+    import statistics
+
+    return float(statistics.median(a / b for a, b in zip(on, off, strict=True)))
+
+
 def run(reps: int) -> dict:
     import gangrun
 
     fn = gangrun.distributed(processes=1, mlflow=False, timeout=1800)(training_loop)
     loop = fn.distributed(max(5, reps))[0]
     kern = kernel_relaunch(reps)
+    costs = panel_costs(reps)
     res = {
+        "panel_read_8_reports_ms": summary(costs["read_ms"]),
+        "panel_redraw_8_ranks_ms": summary(costs["render_ms"]),
+        "chart_grid_12_charts_x_2000_values_ms": summary(costs["grid_ms"]),
         "kernel_relaunch_on": summary(kern["on"]),
         "kernel_relaunch_off": summary(kern["off"]),
         "loop_10k_with_report": summary(loop["with"]),
@@ -165,6 +215,7 @@ def run(reps: int) -> dict:
             "relaunch_progress_grid_on_vs_off": ratio(
                 m["kernel_relaunch_on"], m["kernel_relaunch_off"]
             ),
+            "relaunch_on_vs_off_per_pair": _paired(kern["on"], kern["off"]),
             "loop_report_vs_none": m["loop_10k_ratio_per_rep"],
             "report_step_share_of_a_step": ratio(
                 m["report_step_us"] * 1e-6 * 10_000, m["loop_10k_without"]

@@ -5,6 +5,8 @@ and ``gangrun ps / stacks / stop`` from another process while the kernel is busy
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 
 import pytest
 
@@ -20,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def kernel(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    store = tempfile.mkdtemp(prefix="gr-")  # a short path, as a user's would be
+    uri = f"sqlite:///{store}/mlflow.db"
     env = kernel_env(
         MLFLOW_TRACKING_URI=uri,
         HOME=str(tmp_path),
@@ -34,6 +37,7 @@ def kernel(tmp_path):
         yield k
     finally:
         left = k.shutdown()
+        shutil.rmtree(store, ignore_errors=True)
         assert not left, f"processes of the kernel survived its shutdown: {left}"
 
 
@@ -72,7 +76,13 @@ def _chart(html: str, name: str) -> str:
 def test_chart_grid_progress_slow_and_silent_ranks_in_the_panel(kernel):
     msg = kernel.execute(GRID, timeout=180)
     assert kernel.error(msg) is None, kernel.error(msg)
-    assert "[0, 1]" in kernel.stream(msg)
+    text = kernel.stream(msg)
+    assert "[0, 1]" in text
+    # quiet: MLflow's INFO lines on the first use of this (new) store stay out of the cell,
+    # and the hint to view the run fits 100 columns on at most two lines
+    assert "INFO mlflow" not in text and "Creating initial MLflow database" not in text, text
+    hint = [line for line in text.splitlines() if "MLflow run" in line or "mlflow ui" in line]
+    assert 1 <= len(hint) <= 2 and all(len(line) <= 100 for line in hint), hint
     panels = _panels(kernel, msg)
     final = panels[-1]
     assert 'data-final="FINISHED"' in final
@@ -134,6 +144,8 @@ def test_ps_stacks_stop_against_a_busy_kernel(kernel):
     )
     st = cli("stacks", rid)
     assert st.returncode == 0 and st.stdout.count("in train_loop") == 2, st.stdout + st.stderr
+    logs = cli("logs", rid[:5])
+    assert logs.returncode == 0, logs.stderr  # nothing printed yet: an empty log is fine
     stop = cli("stop", mlflow_id)  # by the MLflow run id
     assert stop.returncode == 0 and "KILLED" in stop.stdout, stop.stdout + stop.stderr
     kernel.wait_idle(msg, timeout=60)

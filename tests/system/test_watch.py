@@ -65,6 +65,7 @@ def test_progress_eta_slow_rank_and_final_values_on_mlflow(tmp_path, monkeypatch
     assert seen.total == 100 and seen.eta_s is not None and seen.rate
     assert seen.step == seen.ranks[1].step  # the gang's step is its slowest rank's
     assert h.result(60) == [0, 1]
+    assert h.progress().step == 100  # after the end: the last values, kept
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(h.mlflow_run_id)
     assert run.data.metrics["gangrun.step"] == 100  # the last report, not a throttled one
     assert run.data.metrics["gangrun.total_steps"] == 100

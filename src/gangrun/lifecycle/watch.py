@@ -179,6 +179,13 @@ class Watch:
         self._last: Progress = Progress()
         self._sampled = 0.0
         self._attempt_started = time.time()
+        self._frozen = False
+
+    def freeze(self) -> Progress:
+        """The call ended: read the reports one last time and keep that."""
+        p = self.progress(fresh=True)
+        self._frozen = True
+        return p
 
     def new_attempt(self) -> None:
         with self._lock:
@@ -189,8 +196,8 @@ class Watch:
     def progress(self, fresh: bool = False) -> Progress:
         """The call's progress now (``Progress().reported`` is False when no rank reports)."""
         run = self.run
-        if not run.run_dir or not run.world_size:
-            return self._last
+        if not run.run_dir or not run.world_size or self._frozen:
+            return self._last  # after the end: the last values (the files are gone)
         with self._lock:
             now = time.time()
             if not fresh and now - self._sampled < MIN_SAMPLE_S:
@@ -244,7 +251,7 @@ class ProgressObserver(Observer):
         if state is State.LAUNCHING:
             self.watch.new_attempt()
         elif state.terminal:
-            p = self.watch.progress(fresh=True)
+            p = self.watch.freeze()
             tracker = self.watch.run.tracker
             if p.reported and tracker is not None:
                 log_final(tracker, p)

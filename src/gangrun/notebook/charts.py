@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from html import escape
+from itertools import groupby
+from operator import itemgetter
 
 Series = Mapping[str, Sequence[tuple[float, float]]]  # metric -> [(step, value), ...] raw
 Agg = list[tuple[float, float, float, float]]  # (step, mean, min, max), by step
@@ -32,11 +34,11 @@ def fmt(v: float) -> str:
 def aggregate(points: Sequence[tuple[float, float]]) -> Agg:
     """Raw ``(step, value)`` points (several ranks may log one step) -> one
     ``(step, mean, min, max)`` per step, in step order, at most :data:`MAX_POINTS`."""
-    by_step: dict[float, list[float]] = {}
-    for step, value in points:
-        if value == value:  # NaN: nothing to draw
-            by_step.setdefault(float(step), []).append(float(value))
-    agg = [(s, sum(v) / len(v), min(v), max(v)) for s, v in sorted(by_step.items())]
+    agg: Agg = []
+    for step, group in groupby(sorted(points), key=itemgetter(0)):
+        vals = [v for _, v in group if v == v]  # NaN: nothing to draw
+        if vals:
+            agg.append((float(step), sum(vals) / len(vals), min(vals), max(vals)))
     if len(agg) <= MAX_POINTS:
         return agg
     s0, s1 = agg[0][0], agg[-1][0]

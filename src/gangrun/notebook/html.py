@@ -126,8 +126,10 @@ def render_panel(
     series: Series | None = None,
     more: Mapping[str, float] | None = None,
     progress: Progress | None = None,
+    grid: str | None = None,
 ) -> str:
-    """The panel of one call: header, one row per rank, the chart grid."""
+    """The panel of one call: header, one row per rank, the chart grid (``grid``: the grid's
+    HTML drawn already, e.g. kept from the last metrics read; else drawn from ``series``)."""
     lines = header_lines(snap, progress)
     link = _link(snap)
     live = snap.final is None
@@ -135,7 +137,8 @@ def render_panel(
     msg = ""
     if snap.message and snap.message not in ("running", "finished"):
         msg = f'<div class="gangrun-message">{escape(snap.message)}</div>'
-    grid = svg_chart(series or {}, more)
+    if grid is None:
+        grid = svg_chart(series or {}, more)
     return (
         f'<div class="gangrun-panel" data-final="{escape(snap.final or "")}" '
         'style="border:1px solid #ddd;border-radius:4px;padding:6px 8px;margin:4px 0;'

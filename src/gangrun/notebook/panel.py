@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from .html import MAX_SERIES, Series, render_panel
+from .html import MAX_SERIES, Series, render_panel, svg_chart
 from .routing import parent_of
 from .state import CallSnapshot
 
@@ -77,6 +77,7 @@ class Panel:
         self.display_id = f"gangrun-{uuid.uuid4().hex}"
         self.series: Series = {}
         self.more: dict[str, float] = {}
+        self._grid = ""  # the chart grid's HTML, drawn once per metrics read (not per redraw)
         self._progress = progress  # () -> Progress | None: the ranks' step reports
         self.renders = 0
         self._snap: CallSnapshot | None = None
@@ -96,7 +97,7 @@ class Panel:
                 progress = self._progress()
             except Exception:  # the run directory is going away: draw without it
                 log.debug("panel: no progress", exc_info=True)
-        html = render_panel(snap, self.series, self.more, progress)
+        html = render_panel(snap, progress=progress, grid=self._grid)
         bundle = {"text/html": html, "text/plain": _plain(snap)}
         with self._lock, parent_of(self.parent, getattr(self.shell, "display_pub", None)):
             display(bundle, raw=True, display_id=self.display_id, update=self._shown)
@@ -132,6 +133,7 @@ class Panel:
         series, more = fetch_metrics(snap.tracking_uri, snap.mlflow_run_id)
         if series or more:  # unreadable now: keep the last charts
             self.series, self.more = series, more
+            self._grid = svg_chart(series, more)
 
     # -- the panel's thread ----------------------------------------------------------------
     def _loop(self) -> None:

@@ -39,6 +39,9 @@ class PanelObserver(Observer):
                 cs.tracking(tracker.run_id, tracker.tracking_uri, tracker.experiment_id)
             cs.attempt_started(call.attempt)
         elif state.terminal:
+            watch = getattr(self.run, "watch", None)
+            if watch is not None:
+                watch.freeze()  # the final draw shows the last step reports, not a cached read
             cs.ended(outcome.mlflow_status or "FAILED", outcome.error)
 
     def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
