@@ -35,8 +35,8 @@ def aggregate(points: Sequence[tuple[float, float]]) -> Agg:
     """Raw ``(step, value)`` points (several ranks may log one step) -> one
     ``(step, mean, min, max)`` per step, in step order, at most :data:`MAX_POINTS`."""
     agg: Agg = []
-    for step, group in groupby(sorted(points), key=itemgetter(0)):
-        vals = [v for _, v in group if v == v]  # NaN: nothing to draw
+    for step, same in groupby(sorted(points), key=itemgetter(0)):
+        vals = [v for _, v in same if v == v]  # NaN: nothing to draw
         if vals:
             agg.append((float(step), sum(vals) / len(vals), min(vals), max(vals)))
     if len(agg) <= MAX_POINTS:
