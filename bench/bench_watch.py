@@ -4,7 +4,8 @@
   "on" = the live panel (its chart grid, progress line and per-rank rows) and a function
   that calls ``gangrun.report_step`` at every one of its 200 steps and logs a metric;
   "off" = ``progress=False`` (no panel) and the same function without ``report_step``.
-  Interleaved, both orders.
+  Interleaved, both orders; the fork server preloads mlflow (``GANGRUN_PRELOAD``), so the
+  ranks' ``import mlflow`` does not drown the difference.
 - **A 10,000-step training loop** (a small MLP: forward, backward, SGD step) inside a real
   rank, with and without ``gangrun.report_step(step, total)`` at every step, in the same
   process, the variants alternating every 500 steps (the ratio is per repetition: 10,000
@@ -74,6 +75,7 @@ def kernel_relaunch(reps: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as home:
         env = dict(os.environ, HOME=home, MPLBACKEND="agg")
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home}/mlflow.db"
+        env["GANGRUN_PRELOAD"] = "torch,mlflow"  # ranks fork with mlflow imported (both variants)
         km = KernelManager(kernel_name="python3")
         km.start_kernel(env=env, cwd=home)
         kc = km.blocking_client()
