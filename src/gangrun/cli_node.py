@@ -305,6 +305,17 @@ def add_node_commands(sub: Any) -> None:
 
 
 def run_node_command(ns: argparse.Namespace) -> int:
+    try:
+        return _dispatch(ns)
+    except BrokenPipeError:  # `gangrun logs RUN | head`: the reader has what it wanted
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
+
+
+def _dispatch(ns: argparse.Namespace) -> int:
     if ns.cmd == "ps":
         return cmd_ps(ns)
     try:
