@@ -137,7 +137,10 @@ def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     s.settimeout(timeout)
     try:
         s.connect(path)
-        s.sendall(json.dumps(request).encode() + b"\n")
+        try:
+            s.sendall(json.dumps(request).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the request was read: the answer says why
         line = s.makefile("rb").readline()
     except OSError as exc:
         raise Unknown(

@@ -298,3 +298,52 @@ def test_status_line_on_a_terminal_and_not_in_a_pipe(tmp_path):
     )
     assert piped.returncode == 0
     assert "steps/s" not in piped.stderr and "\x1b[K" not in piped.stderr + piped.stdout
+
+
+PEER = """
+import json, os, socket, sys
+path = sys.argv[1]
+os.setgid(65534); os.setuid(65534)  # another user, with the socket made reachable to it
+s = socket.socket(socket.AF_UNIX)
+s.connect(path)
+try:
+    s.sendall(json.dumps({"op": "stop"}).encode() + b"\\n")
+except BrokenPipeError:
+    pass  # refused before the request was read
+print(s.makefile("rb").readline().decode().strip())
+"""
+
+
+def test_control_socket_refuses_a_peer_of_another_uid():
+    """Defence in depth: even with the socket reachable (the run directory is 0700 for real),
+    a request from another uid (SO_PEERCRED) is refused before it is read: no cancel."""
+    import shutil
+    import tempfile
+    import types
+
+    from gangrun.lifecycle.control import SOCKET, ControlObserver
+
+    tmp_path = tempfile.mkdtemp(prefix="gangrun-peer-test-", dir="/tmp")  # reachable by 65534
+    cancelled: list = []
+    run = types.SimpleNamespace(
+        run_dir=str(tmp_path), run_id="fake", cancel=lambda *a, **k: cancelled.append(a)
+    )
+    obs = ControlObserver(run)
+    obs._serve()
+    path = os.path.join(tmp_path, SOCKET)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(path, 0o666)
+    try:
+        peer = subprocess.run(
+            [sys.executable, "-c", PEER, path], capture_output=True, text=True, timeout=60
+        )
+        assert peer.returncode == 0, peer.stderr
+        reply = json.loads(peer.stdout)
+        assert reply["ok"] is False and "another user" in reply["error"]
+        assert cancelled == []
+    finally:
+        obs._close()
+        assert obs._thread is not None
+        obs._thread.join(10)
+        shutil.rmtree(tmp_path, ignore_errors=True)
+    assert not obs._thread.is_alive() and not os.path.exists(path)
