@@ -21,7 +21,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 OUT = os.path.join(BENCH, "out")
 DOCS = os.path.join(ROOT, "docs")
-ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook"]
+ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook", "watch"]
 
 # (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
 TARGETS = [
@@ -38,6 +38,14 @@ TARGETS = [
     ("gang", "ipyparallel_vs_gang", "ipyparallel execute / warm gang execute", None, "ge"),
     ("notebook", "panel_on_vs_off", "warm relaunch in a kernel: panel on / off", None, "le"),
     ("notebook", "first_vs_warm", "first call 3 s after decorating / warm relaunch", 1.5, "le"),
+    (
+        "watch",
+        "relaunch_progress_grid_on_vs_off",
+        "kernel relaunch: progress+grid on / off",
+        1.1,
+        "le",
+    ),
+    ("watch", "loop_report_vs_none", "10k-step loop: report_step every step / none", 1.01, "le"),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
 

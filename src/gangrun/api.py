@@ -16,6 +16,7 @@ from .options import Options
 
 if TYPE_CHECKING:
     from .lifecycle.supervisor import Supervisor
+    from .lifecycle.watch import Progress
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -93,6 +94,22 @@ class RunHandle(Generic[R]):
                 return f.read().decode("utf-8", "replace")
         except FileNotFoundError:
             return ""
+
+    def progress(self) -> Progress:
+        """What the ranks' `gangrun.report_step` calls say now: the step (the slowest
+        rank's), the total, steps per second, the ETA, slow and silent ranks. ``.reported``
+        is False while no rank reports."""
+        from .lifecycle.watch import Progress
+
+        watch = self._run.watch
+        return Progress() if watch is None else watch.progress()
+
+    def stacks(self, timeout: float = 5.0) -> dict[int, str]:
+        """Every live rank's Python stacks (all threads), rank -> text, while the call keeps
+        running (``faulthandler`` on ``SIGUSR1``, as the hang guard uses). A rank still
+        starting is left out; one that did not answer within ``timeout`` maps to ``""``."""
+        watch = self._run.watch
+        return {} if watch is None else watch.stacks(timeout)
 
     def _repr_html_(self) -> str:
         from .notebook.html import handle_html

@@ -4,6 +4,7 @@
                 script.py [args...]
     gangrun run [...] -m package.module [args...]
     gangrun info [options...] [--json]
+    gangrun ps | logs RUN [--rank N] [--follow] | stacks RUN | stop RUN
     gangrun --version
 
 Every option of ``@distributed`` has a flag (``gangrun run --help``); options not given come
@@ -34,6 +35,7 @@ from .cli_support import module_file, unknown_flag, with_log_paths
 EXIT_LAUNCH = 2
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPT = 130
+RUNNING = False  # a `gangrun run` call is under way in this process (its caller kind)
 
 
 class ScriptTarget:
@@ -114,7 +116,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         formatter_class=fmt,
     )
     p.add_argument("--version", action="version", version=f"gangrun {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,info}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,info,ps,logs,stacks,stop}")
     # No abbreviated flags: a prefix would be taken for an option here, or split the
     # command line wrongly (its value taken for the script); a misspelling gets "did you mean".
     run = sub.add_parser(
@@ -140,6 +142,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     )
     add_option_flags(info)
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    from .cli_node import add_node_commands
+
+    add_node_commands(sub)  # ps, logs, stacks, stop: this user's calls on this node
     return p, run, info
 
 
@@ -152,6 +157,9 @@ EXAMPLES = """examples:
   gangrun run --gpus 4 --timeout 2h train.py       4 GPUs, stop after 2 hours
   gangrun run --gpus 0,3 -m pkg.train              GPUs 0 and 3, a module
   gangrun info                                     GPUs, defaults, a rank's environment
+  gangrun ps                                       your running calls on this node
+  gangrun logs RUN --rank 1 --follow               a call's output, from another terminal
+  gangrun stacks RUN / gangrun stop RUN            its ranks' stacks / stop it
   gangrun run --help                               every option of run
 """
 RUN_EXAMPLES = """durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
@@ -212,9 +220,13 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         return EXIT_LAUNCH
     fn: DistributedFunction[[], None] = DistributedFunction(target, explicit=explicit)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    handle = None
+    handle = status = None
+    global RUNNING
+    RUNNING = True
     try:
-        handle = fn.submit()
+        from .cli_status import start
+
+        handle, status = start(fn.submit)  # a status line with the progress on a terminal
         handle.result()
         return 0
     except DistributedError as exc:
@@ -234,6 +246,9 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         print("gangrun: terminated; every rank was stopped.", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
+        RUNNING = False
+        if status is not None:
+            status.close()
         signal.signal(signal.SIGTERM, previous)
 
 
@@ -415,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         ns = top.parse_args(args)
         if ns.cmd == "run":  # pragma: no cover - handled above
             return cmd_run(ns, run_parser)
+        if ns.cmd != "info":
+            from .cli_node import run_node_command
+
+            return run_node_command(ns)
         return cmd_info(ns)
     except SystemExit as exc:  # argparse: --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)

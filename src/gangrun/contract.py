@@ -30,6 +30,12 @@ Read by the caller (settings of the launch machinery, not per-call options):
 ``GANGRUN_RAY_PLACEMENT_TIMEOUT``   seconds to wait for the placement group (300)
 ``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
 ``GANGRUN_CACHE_DIR``               `gangrun.data`'s local file cache
+``GANGRUN_SLOW_AFTER``              seconds a rank's step rate must stay under 0.8x the
+                                    others' median before it is marked slow (60)
+``GANGRUN_SILENT_AFTER``            seconds without any progress (output, heartbeat, step
+                                    report) before a rank is marked silent (120)
+``GANGRUN_LOG_LEVEL``               gangrun's own diagnostics (`gangrun._log`);
+                                    ``DEBUG`` narrates each call's lifecycle
 ==================================  ======================================================
 
 Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (32 KiB of room in the server's environ
@@ -58,6 +64,9 @@ RAY_RUNTIME_ENV = "GANGRUN_RAY_RUNTIME_ENV"
 RAY_PLACEMENT_TIMEOUT = "GANGRUN_RAY_PLACEMENT_TIMEOUT"
 RAY_FORWARD_ENV = "GANGRUN_RAY_FORWARD_ENV"
 CACHE_DIR = "GANGRUN_CACHE_DIR"
+SLOW_AFTER = "GANGRUN_SLOW_AFTER"
+SILENT_AFTER = "GANGRUN_SILENT_AFTER"
+LOG_LEVEL = "GANGRUN_LOG_LEVEL"
 ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 
 # Every variable above that a rank inherits from its caller and that names *this* call:

@@ -18,28 +18,21 @@ Like any failure, a hang is retried when ``max_restarts`` allows.
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import signal
 import time
-from typing import IO, Any
+from typing import Any
 
-from . import contract
+from . import contract, stacks
 from .rundir import RunDir, log_path
 
 ENV = contract.HANG_TIMEOUT
 _MIN_BEAT_INTERVAL_S = 0.25
 _last_beat = 0.0
 _beat_path: str | None = None
-_stack_file: IO[str] | None = None  # kept open for faulthandler
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
     return RunDir(run_dir).heartbeat(rank)
-
-
-def stacks_path(run_dir: str, rank: int) -> str:
-    return RunDir(run_dir).stacks(rank)
 
 
 # ---------------------------------------------------------------------------- rank side
@@ -66,21 +59,30 @@ def heartbeat() -> None:
 
 
 def install(run_dir: str, rank: int) -> None:
-    """In a rank, when the guard is on: heartbeat file, and stacks dumped on SIGUSR1."""
-    global _beat_path, _stack_file
+    """In a rank, when the guard is on: the heartbeat file (the stack dump on SIGUSR1 is
+    installed in every rank: `gangrun.stacks.install`)."""
+    global _beat_path
     _beat_path = heartbeat_path(run_dir, rank)
     heartbeat()
-    try:
-        fd = os.open(
-            stacks_path(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
-        )
-        _stack_file = os.fdopen(fd, "w")
-        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)
-    except (OSError, ValueError, RuntimeError):  # no stack dump then; the guard says so
-        pass
 
 
 # ---------------------------------------------------------------------------- caller side
+def last_progress(run_dir: str, log_dir: str, rank: int, since: float) -> float:
+    """When rank ``rank`` last made progress (output, heartbeat, step report), at the
+    earliest ``since`` (wall clock)."""
+    t = since
+    for p in (
+        log_path(log_dir, rank),
+        heartbeat_path(run_dir, rank),
+        RunDir(run_dir).progress(rank),  # gangrun.report_step()
+    ):
+        try:
+            t = max(t, os.stat(p).st_mtime)
+        except OSError:  # not written yet: no progress from it
+            pass
+    return t
+
+
 class HangGuard:
     """Watches one attempt's ranks for progress."""
 
@@ -101,17 +103,7 @@ class HangGuard:
         return min(1.0, max(0.05, self.hang_timeout / 5))
 
     def last_progress(self, rank: int) -> float:
-        t = self.started
-        for p in (
-            log_path(self.log_dir, rank),
-            heartbeat_path(self.run_dir, rank),
-            RunDir(self.run_dir).progress(rank),  # gangrun.report_step()
-        ):
-            try:
-                t = max(t, os.stat(p).st_mtime)
-            except OSError:  # not written yet: no progress from it
-                pass
-        return t
+        return last_progress(self.run_dir, self.log_dir, rank, self.started)
 
     def booted(self, rank: int) -> bool:
         """The rank installed the guard (heartbeat file, SIGUSR1 stack dump). A rank still
@@ -130,31 +122,10 @@ class HangGuard:
 
     def dump_stacks(self, pids: dict[int, int], live_ranks: list[int], wait: float = 2.0) -> None:
         """SIGUSR1 every live rank and collect what faulthandler wrote."""
-        live_ranks = [r for r in live_ranks if self.booted(r)]
-        for r in live_ranks:
-            try:
-                os.kill(pids[r], signal.SIGUSR1)
-            except (KeyError, ProcessLookupError, PermissionError):  # exited meanwhile
-                pass
-        deadline = time.monotonic() + wait
-        sizes: dict[int, int] = {}
-        while time.monotonic() < deadline:
-            now_sizes = {}
-            for r in live_ranks:
-                try:
-                    now_sizes[r] = os.stat(stacks_path(self.run_dir, r)).st_size
-                except OSError:
-                    now_sizes[r] = 0
-            if all(now_sizes.values()) and now_sizes == sizes:
-                break  # every dump is there and no longer growing
-            sizes = now_sizes
-            time.sleep(0.1)
-        for r in live_ranks:
-            try:
-                with open(stacks_path(self.run_dir, r), errors="replace") as f:
-                    self.stacks[r] = f.read().strip()
-            except OSError:
-                self.stacks[r] = ""
+        live = {r: pids[r] for r in live_ranks if r in pids and self.booted(r)}
+        self.stacks.update(stacks.request(self.run_dir, live, wait))
+        for r in live:
+            self.stacks.setdefault(r, "")
 
     def error(self, fn_name: str, run_id: str, log_dir: str) -> Any:
         from .errors import DistributedHangError
@@ -185,4 +156,4 @@ class HangGuard:
         )
 
 
-__all__ = ["heartbeat", "install", "HangGuard"]
+__all__ = ["heartbeat", "install", "last_progress", "HangGuard"]

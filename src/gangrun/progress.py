@@ -12,7 +12,8 @@ attempt made progress and from which step it resumed.
 Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directory
 (`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
 fsync): a report is a clock read and, at most every `MIN_INTERVAL_S` (and always for the
-first report and a changed total), one 96-byte write. The caller reads it with
+first report and a changed total), one 96-byte write; the report the throttle held back last
+is written when the rank ends (`flush`, called by `gangrun.worker`). The caller reads it with
 `read` (a torn or garbled read is ``None``, never an exception). Outside a rank (nothing
 bound), in a forked child of a rank (a DataLoader worker), or once the run
 directory is gone, a report is a no-op.
@@ -38,6 +39,7 @@ _total = -1
 _step = -1
 _disabled = False
 _bound: tuple[str, int, int] | None = None
+_written: tuple[int, int, int] = (-1, -1, -1)  # (step, total, resumed) last written
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,9 @@ class StepReport:
 def bind(run_dir: str, rank: int) -> None:
     """In a rank (called by `gangrun.worker` at start): reports go to this run
     directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
-    global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step
+    global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step, _written
     _bound = (run_dir, int(rank), os.getpid())
+    _written = (-1, -1, -1)
     _fd = None
     _pid = 0
     _disabled = False
@@ -97,7 +100,7 @@ def _open() -> int | None:
 
 
 def _write(fd: int, now: float) -> None:
-    global _last_write, _fd, _disabled
+    global _last_write, _fd, _disabled, _written
     assert _first is not None
     line = f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f}"
     try:
@@ -108,6 +111,7 @@ def _write(fd: int, now: float) -> None:
         _disabled = True
         return
     _last_write = time.monotonic()
+    _written = (_step, _total, _resumed)
 
 
 def report_step(step: int, total: int | None = None) -> None:
@@ -127,6 +131,16 @@ def report_step(step: int, total: int | None = None) -> None:
         return
     _total = new_total
     _write(fd, now)
+
+
+def flush() -> None:
+    """Write the last report if the throttle held it back (the rank calls it as it ends, so
+    the caller sees the final step)."""
+    fd = _fd
+    if fd is None or _first is None or _pid != os.getpid():
+        return
+    if _written != (_step, _total, _resumed):
+        _write(fd, time.time())
 
 
 def report_resumed(step: int) -> None:
@@ -173,4 +187,12 @@ def read_all(run_dir: str, world_size: int) -> dict[int, StepReport]:
     return out
 
 
-__all__ = ["StepReport", "report_step", "report_resumed", "read", "read_all", "MIN_INTERVAL_S"]
+__all__ = [
+    "StepReport",
+    "report_step",
+    "report_resumed",
+    "flush",
+    "read",
+    "read_all",
+    "MIN_INTERVAL_S",
+]

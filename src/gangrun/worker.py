@@ -256,11 +256,17 @@ def main() -> None:
     from .progress import bind
 
     bind(run_dir, rank)
+    from .stacks import install as install_stacks
+
+    install_stacks(run_dir, rank)  # handle.stacks(), `gangrun stacks`, the hang guard
     if os.environ.get(contract.HANG_TIMEOUT):
         from .hang import install
 
         install(run_dir, rank)
     code = run_rank(run_dir, rank)
+    from .progress import flush
+
+    flush()  # the last step report, if the throttle held it back
     before_exit.insert(0, lambda: rank_runs.end(succeeded=code == 0))
     _flush_and_exit(code)
 

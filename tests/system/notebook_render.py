@@ -64,7 +64,7 @@ def panel_only(html: Path) -> Path:
     import re
 
     text = html.read_text()
-    panels = re.findall(r'<div class="gangrun-panel".*?</table>.*?</div></div>', text, re.S)
+    panels = re.findall(r'<div class="gangrun-panel".*?<!--/gangrun-panel-->', text, re.S)
     out = html.with_name(html.stem + "-panel.html")
     out.write_text(
         "<html><body style='margin:8px;background:white'>" + "".join(panels) + "</body></html>"
@@ -78,5 +78,5 @@ if __name__ == "__main__":  # pragma: no cover - makes docs/notebook_panel.png
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{d}/mlflow.db")
         html, _ = execute_and_render(ROOT / "examples" / "quickstart.ipynb", Path(d))
         page = panel_only(html)
-        browse(page, f"--screenshot={target.resolve()}", "--window-size=900,330")
+        browse(page, f"--screenshot={target.resolve()}", "--window-size=900,290")
     print(target)

@@ -36,7 +36,16 @@ def test_quickstart_panel_renders_in_chromium(tmp_path, monkeypatch):
     for rank in (0, 1):
         assert re.search(rf'<tr class="gangrun-rank" data-rank="{rank}" data-state="finished"', dom)
     assert re.search(r'<svg class="gangrun-chart"[^>]*>.*<polyline', dom, re.S)
-    assert "loss_rank0" in dom and "loss_rank1" in dom
+    # the chart grid: one chart per metric, each on its own axes; both ranks' "loss" at each
+    # step is one mean line with a min-max band; "total_loss" (once per epoch) has markers
+    tags = re.findall(r'<div class="gangrun-metric"[^>]*>', dom)  # attribute order may change
+    charts = {re.search(r'data-metric="(\w+)"', t).group(1): t for t in tags}
+    assert {"loss", "total_loss"} <= set(charts), charts
+    assert 'data-band="1"' in charts["loss"] and 'data-points="5"' in charts["total_loss"]
+    ymax = {k: float(re.search(r'data-y-max="([^"]+)"', v).group(1)) for k, v in charts.items()}
+    assert ymax["total_loss"] > 50 * ymax["loss"]  # own y ranges, not one shared axis
+    assert "gangrun.step" not in charts  # gangrun's own final values are not charted
+    assert re.search(r'class="gangrun-progress">step 80/80', dom)  # gangrun.report_step
     shot = tmp_path / "page.png"
     browse(html, f"--screenshot={shot}", "--window-size=1000,1400")
     assert shot.stat().st_size > 10_000

@@ -27,18 +27,23 @@ LAYERS: dict[str, int] = {
     "gangrun.cli": API,
     "gangrun.cli_options": API,
     "gangrun.cli_support": API,
+    "gangrun.cli_node": API,  # gangrun ps/logs/stacks/stop
+    "gangrun.cli_status": API,  # gangrun run's status line
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API
     "gangrun.notebook": API,  # the notebook panel, output routing, pre-launch checks
     "gangrun.notebook.source": PLATFORM,  # travels with the payload; read inside ranks
     "gangrun.notebook.html": PLATFORM,  # pure rendering (errors render themselves with it)
     "gangrun.notebook.state": PLATFORM,  # the panel's snapshot records
+    "gangrun.notebook.charts": PLATFORM,  # the chart grid (pure rendering)
     "gangrun.lifecycle": LIFECYCLE,
     "gangrun.launch": LAUNCH,
     # the rank side: runs inside rank processes (the fork server's child becomes a rank)
     "gangrun.worker": RANK,
     "gangrun.hang": RANK,
     "gangrun.progress": RANK,  # step reports (written by ranks, read by the caller)
+    "gangrun.stacks": RANK,  # stack dumps on SIGUSR1 (installed in every rank)
+    "gangrun.progress_view": PLATFORM,  # progress records and their formatting
     "gangrun.tracking.rank": RANK,  # ends the MLflow runs a rank opened
     "gangrun.interactive.rank": RANK,  # a gang's rank loop
     "gangrun.interactive.protocol": PLATFORM,  # framing shared by both ends
@@ -68,6 +73,7 @@ RANK_SIDE = (
     "gangrun.worker",
     "gangrun.hang",
     "gangrun.progress",
+    "gangrun.stacks",
     "gangrun.records",
     "gangrun.rundir",
     "gangrun.tracking.rank",

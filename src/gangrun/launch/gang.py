@@ -55,17 +55,23 @@ def choose_spawner(spec: GangSpec) -> Spawner:
     if spec.placement is not None:
         from .ray.spawner import RaySpawner
 
+        log.debug("call %s: spawner: Ray actors (backend='ray')", spec.run_id)
         return RaySpawner(spec)
     method = start_method(spec)
     if method == "spawn":
+        log.debug("call %s: spawner: fresh interpreters (start_method='spawn')", spec.run_id)
         return SpawnSpawner()
     from .forkserver import client
     from .forkserver.spawner import ForkServerSpawner
 
     if method == "auto" and not (client.usable() and client.registry.start_failure is None):
+        why = "an earlier start failed" if client.registry.start_failure else "not usable here"
+        log.debug("call %s: spawner: fresh interpreters (fork server %s)", spec.run_id, why)
         return SpawnSpawner()
     try:
-        return ForkServerSpawner.lease(spec)
+        sp = ForkServerSpawner.lease(spec)
+        log.debug("call %s: spawner: warm fork server (start_method=%r)", spec.run_id, method)
+        return sp
     except Exception as exc:
         print(
             f"gangrun: the fork server is unavailable ({type(exc).__name__}: {exc}); "

@@ -50,6 +50,7 @@ from .state import (
     State,
     StateMachine,
 )
+from .watch import Watch, watching
 
 if TYPE_CHECKING:
     from ..accelerators import Accelerator
@@ -84,11 +85,13 @@ class Supervisor:
         self.outcome = Outcome()
         self._machine = StateMachine(self.outcome, self._notify)
         self._mlflow: MlflowObserver | None = None
+        self.watch: Watch | None = None  # progress, slow ranks, stacks: set by watching()
         if observers is None:
             observers = [NoticeObserver()]
             if options.mlflow:
                 self._mlflow = MlflowObserver()
                 observers.insert(0, self._mlflow)
+            observers[:0] = watching(self)  # DEBUG narration, progress, `gangrun ps/stop`
         self.observers = observers
         self.plan: Plan | None = None
         self.placement: RayPlacement | None = None

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
-from .state import CallSnapshot
+from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
+from . import charts
+from .state import CallSnapshot, RankView
 
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
 _STATE_COLOR = {
     "starting": "#888",
     "running": "#1f77b4",
@@ -25,7 +26,7 @@ _STATE_COLOR = {
     "KILLED": "#b8860b",
 }
 _TD = 'style="padding:2px 8px;text-align:left;border-bottom:1px solid #eee"'
-MAX_SERIES = 6
+MAX_SERIES = charts.MAX_CHARTS
 
 Series = Mapping[str, Sequence[tuple[float, float]]]  # metric -> [(step, value), ...]
 
@@ -50,62 +51,9 @@ def _exit_text(exitcode: int | None, signal: str | None) -> str:
     return escape(signal) if signal else str(exitcode)
 
 
-def _fmt_num(v: float) -> str:
-    return f"{v:.4g}"
-
-
-def svg_chart(series: Series, width: int = 420, height: int = 150) -> str:
-    """A line chart of each metric against its step (at most ``MAX_SERIES`` lines)."""
-    pts = {k: sorted(v) for k, v in sorted(series.items()) if v}
-    pts = dict(list(pts.items())[:MAX_SERIES])
-    if not pts:
-        return ""
-    xs = [x for v in pts.values() for x, _ in v]
-    ys = [y for v in pts.values() for _, y in v]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    left, right, top, bottom = 48, 8, 8, 20
-    pw, ph = width - left - right, height - top - bottom
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * ph
-
-    parts = [
-        f'<svg class="gangrun-chart" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-        f'height="{height}" viewBox="0 0 {width} {height}" style="font:10px sans-serif">',
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#ccc"/>',
-        f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{_fmt_num(y1)}</text>',
-        f'<text x="{left - 4}" y="{top + ph}" text-anchor="end">{_fmt_num(y0)}</text>',
-        f'<text x="{left}" y="{height - 6}">step {_fmt_num(x0)}</text>',
-        f'<text x="{left + pw}" y="{height - 6}" text-anchor="end">{_fmt_num(x1)}</text>',
-    ]
-    for i, (name, v) in enumerate(pts.items()):
-        color = _COLORS[i % len(_COLORS)]
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in v)
-        title = f"<title>{escape(name)}</title>"
-        if len(v) == 1:
-            cx, cy = sx(v[0][0]), sy(v[0][1])
-            parts.append(
-                f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="{color}">{title}</circle>'
-            )
-        else:
-            parts.append(
-                f'<polyline class="gangrun-series" fill="none" stroke="{color}" '
-                f'stroke-width="1.5" points="{coords}">{title}</polyline>'
-            )
-    parts.append("</svg>")
-    legend = " ".join(
-        f'<span style="color:{_COLORS[i % len(_COLORS)]}">&#9632; {escape(k)} '
-        f"{_fmt_num(v[-1][1])}</span>"
-        for i, (k, v) in enumerate(pts.items())
-    )
-    return "".join(parts) + f'<div style="font-size:11px">{legend}</div>'
+def svg_chart(series: Series, more: Mapping[str, float] | None = None) -> str:
+    """The chart grid: one small chart per metric, own axes (`gangrun.notebook.charts`)."""
+    return charts.grid(series, more)
 
 
 def _link(snap: CallSnapshot) -> str:
@@ -119,8 +67,9 @@ def _link(snap: CallSnapshot) -> str:
     return f"MLflow run <code>{rid}</code>{where}"
 
 
-def render_panel(snap: CallSnapshot, series: Series | None = None) -> str:
-    """The panel of one call: header, one row per rank, the metrics chart."""
+def header_lines(snap: CallSnapshot, progress: Progress | None = None) -> list[str]:
+    """The panel's header, one HTML line each: the call (name, state, ranks, elapsed), then
+    its progress when the ranks report steps."""
     state = snap.final or ("running" if snap.attempt or snap.message == "running" else "starting")
     attempt = f" · attempt {snap.attempt + 1}/{snap.max_restarts + 1}" if snap.max_restarts else ""
     if snap.resumed_from is not None:  # "attempt 2/4, resumed from step 1200"
@@ -131,28 +80,78 @@ def render_panel(snap: CallSnapshot, series: Series | None = None) -> str:
         f"{snap.world_size} rank{'s' if snap.world_size != 1 else ''}",
         f'<span class="gangrun-elapsed">{_fmt_elapsed(snap.elapsed)}</span>{attempt}',
     ]
-    link = _link(snap)
-    rows = "".join(
-        f'<tr class="gangrun-rank" data-rank="{v.rank}" data-state="{escape(v.state)}">'
+    lines = [" · ".join(head)]
+    if progress is not None and progress.reported:
+        text = summary_line(progress if snap.final is None else _final(progress))
+        lines.append(f'<span class="gangrun-progress">{escape(text)}</span>')
+    return lines
+
+
+def _final(p: Progress) -> Progress:
+    """At the end: no ETA, no silent marks (the ranks are gone)."""
+    from dataclasses import replace
+
+    ranks = {r: replace(v, silent_for=None) for r, v in p.ranks.items()}
+    return replace(p, eta_s=None, ranks=ranks)
+
+
+def _rank_row(v: RankView, progress: Progress | None, live: bool) -> str:
+    rp = progress.ranks.get(v.rank) if progress is not None else None
+    step = rate = note = ""
+    attrs = ""
+    if rp is not None:
+        if rp.step is not None:
+            step = f"{rp.step}" + (f"/{rp.total}" if rp.total else "")
+        rate = fmt_rate(rp.rate) if rp.rate is not None else ""
+        if rp.slow_ratio is not None:
+            attrs += f' data-slow="{rp.slow_ratio:.2f}"'
+            note += (
+                f'<span style="color:#b8860b;font-weight:bold">slow {rp.slow_ratio:.2f}x</span> '
+            )
+        if rp.silent_for is not None and live:
+            attrs += f' data-silent="{rp.silent_for:.0f}"'
+            note += (
+                f'<span style="color:#d62728;font-weight:bold">silent '
+                f"{fmt_duration(rp.silent_for)}</span> (<code>handle.stacks()</code> shows where) "
+            )
+    return (
+        f'<tr class="gangrun-rank" data-rank="{v.rank}" data-state="{escape(v.state)}"{attrs}>'
         f"<td {_TD}>rank {v.rank}</td><td {_TD}>{_badge(v.state)}</td>"
         f"<td {_TD}>{_exit_text(v.exitcode, v.signal)}</td>"
-        f'<td {_TD}><code style="white-space:pre">{escape(v.last_line)}</code></td></tr>'
-        for v in snap.ranks
+        f"<td {_TD}>{step}</td><td {_TD}>{rate}</td>"
+        f'<td {_TD}>{note}<code style="white-space:pre">{escape(v.last_line)}</code></td></tr>'
     )
+
+
+def render_panel(
+    snap: CallSnapshot,
+    series: Series | None = None,
+    more: Mapping[str, float] | None = None,
+    progress: Progress | None = None,
+    grid: str | None = None,
+) -> str:
+    """The panel of one call: header, one row per rank, the chart grid (``grid``: the grid's
+    HTML drawn already, e.g. kept from the last metrics read; else drawn from ``series``)."""
+    lines = header_lines(snap, progress)
+    link = _link(snap)
+    live = snap.final is None
+    rows = "".join(_rank_row(v, progress, live) for v in snap.ranks)
     msg = ""
     if snap.message and snap.message not in ("running", "finished"):
         msg = f'<div class="gangrun-message">{escape(snap.message)}</div>'
-    chart = svg_chart(series or {})
+    if grid is None:
+        grid = svg_chart(series or {}, more)
     return (
         f'<div class="gangrun-panel" data-final="{escape(snap.final or "")}" '
         'style="border:1px solid #ddd;border-radius:4px;padding:6px 8px;margin:4px 0;'
         'font-family:sans-serif;font-size:12px">'
-        f"<div>{' · '.join(head)}</div>"
+        + "".join(f"<div>{line}</div>" for line in lines)
         + (f"<div>{link}</div>" if link else "")
         + msg
         + '<table style="border-collapse:collapse;margin:4px 0">'
         f"<tr><th {_TD}>rank</th><th {_TD}>state</th><th {_TD}>exit</th>"
-        f"<th {_TD}>last line</th></tr>{rows}</table>" + chart + "</div>"
+        f"<th {_TD}>step</th><th {_TD}>rate</th>"
+        f"<th {_TD}>last line</th></tr>{rows}</table>" + grid + "</div><!--/gangrun-panel-->"
     )
 
 
@@ -216,4 +215,4 @@ def error_html(err: BaseException) -> str:
     return "".join(parts)
 
 
-__all__ = ["render_panel", "svg_chart", "handle_html", "error_html"]
+__all__ = ["render_panel", "header_lines", "svg_chart", "handle_html", "error_html"]

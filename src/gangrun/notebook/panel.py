@@ -14,33 +14,44 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from .html import MAX_SERIES, Series, render_panel
+from .html import MAX_SERIES, Series, render_panel, svg_chart
 from .routing import parent_of
 from .state import CallSnapshot
 
 log = logging.getLogger("gangrun.notebook")
 
-MAX_POINTS = 500  # per metric drawn (the newest)
+MAX_POINTS = 20_000  # raw values per metric read (the newest); the chart merges them
+METRIC_PREFIX = "gangrun."  # the final progress values gangrun logs (lifecycle/watch.py)
 
 
-def fetch_metrics(tracking_uri: str | None, run_id: str) -> dict[str, list[tuple[float, float]]]:
-    """The run's metric histories (at most ``MAX_SERIES`` metrics), ``{}`` when unreadable."""
+def fetch_metrics(
+    tracking_uri: str | None, run_id: str
+) -> tuple[dict[str, list[tuple[float, float]]], dict[str, float]]:
+    """The run's metric histories (the first ``MAX_SERIES`` by name: every rank's values,
+    the chart grid merges them per step) and the last value of the others; ``({}, {})`` when
+    unreadable. gangrun's own final values (``gangrun.*``) are not charted."""
     try:
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=tracking_uri)
-        names = sorted(client.get_run(run_id).data.metrics)
+        latest = {
+            k: float(v)
+            for k, v in client.get_run(run_id).data.metrics.items()
+            if not k.startswith(METRIC_PREFIX)
+        }
+        names = sorted(latest)
         out: dict[str, list[tuple[float, float]]] = {}
         for name in names[:MAX_SERIES]:
             hist = client.get_metric_history(run_id, name)
             pts = sorted((float(m.step), float(m.value)) for m in hist)
             out[name] = pts[-MAX_POINTS:]
-        return out
+        return out, {k: latest[k] for k in names[MAX_SERIES:]}
     except Exception as exc:  # the store is busy or gone: the panel just keeps its last chart
         log.debug("panel: cannot read the metrics of run %s: %s", run_id, exc)
-        return {}
+        return {}, {}
 
 
 def _plain(snap: CallSnapshot) -> str:
@@ -57,6 +68,7 @@ class Panel:
         parent: dict[str, Any] | None,
         refresh_s: float = 0.5,
         metrics_s: float = 2.5,
+        progress: Callable[[], Any] | None = None,
     ) -> None:
         self.shell = shell
         self.parent = parent
@@ -64,6 +76,9 @@ class Panel:
         self.metrics_s = metrics_s
         self.display_id = f"gangrun-{uuid.uuid4().hex}"
         self.series: Series = {}
+        self.more: dict[str, float] = {}
+        self._grid = ""  # the chart grid's HTML, drawn once per metrics read (not per redraw)
+        self._progress = progress  # () -> Progress | None: the ranks' step reports
         self.renders = 0
         self._snap: CallSnapshot | None = None
         self._shown = False
@@ -76,7 +91,14 @@ class Panel:
     def _draw(self, snap: CallSnapshot) -> None:
         from IPython.display import display
 
-        bundle = {"text/html": render_panel(snap, self.series), "text/plain": _plain(snap)}
+        progress = None
+        if self._progress is not None:
+            try:
+                progress = self._progress()
+            except Exception:  # the run directory is going away: draw without it
+                log.debug("panel: no progress", exc_info=True)
+        html = render_panel(snap, progress=progress, grid=self._grid)
+        bundle = {"text/html": html, "text/plain": _plain(snap)}
         with self._lock, parent_of(self.parent, getattr(self.shell, "display_pub", None)):
             display(bundle, raw=True, display_id=self.display_id, update=self._shown)
             self._shown = True
@@ -100,13 +122,18 @@ class Panel:
         if self._thread is not None:
             self._thread.join(5.0)
         if snapshot.mlflow_run_id:
-            self.series = (
-                fetch_metrics(snapshot.tracking_uri, snapshot.mlflow_run_id) or self.series
-            )
+            self._fetch(snapshot)
         try:
             self._draw(snapshot)  # frozen: the saved notebook shows the final state
         except Exception:
             log.exception("panel: the final draw failed")
+
+    def _fetch(self, snap: CallSnapshot) -> None:
+        assert snap.mlflow_run_id is not None
+        series, more = fetch_metrics(snap.tracking_uri, snap.mlflow_run_id)
+        if series or more:  # unreadable now: keep the last charts
+            self.series, self.more = series, more
+            self._grid = svg_chart(series, more)
 
     # -- the panel's thread ----------------------------------------------------------------
     def _loop(self) -> None:
@@ -124,9 +151,7 @@ class Panel:
                     continue
                 if snap.mlflow_run_id and now - last_metrics >= self.metrics_s:
                     last_metrics = now
-                    self.series = (
-                        fetch_metrics(snap.tracking_uri, snap.mlflow_run_id) or self.series
-                    )
+                    self._fetch(snap)
                 if now - last_draw < self.refresh_s:
                     # dirty, but drawn lately: sleep out the rest of the interval (waiting on
                     # the still-set event again would spin and steal the ranks' CPU)
@@ -141,8 +166,10 @@ class Panel:
             log.exception("panel: the live updates stopped")
 
 
-def open_panel(shell: Any, parent: dict[str, Any] | None) -> Panel:
-    return Panel(shell, parent)
+def open_panel(
+    shell: Any, parent: dict[str, Any] | None, progress: Callable[[], Any] | None = None
+) -> Panel:
+    return Panel(shell, parent, progress=progress)
 
 
 __all__ = ["Panel", "fetch_metrics", "open_panel"]

@@ -44,6 +44,9 @@ class PanelObserver(Observer):
             self._resume.start()
         elif state.terminal:
             self._resume.stop()
+            watch = getattr(self.run, "watch", None)
+            if watch is not None:
+                watch.freeze()  # the final draw shows the last step reports, not a cached read
             cs.ended(outcome.mlflow_status or "FAILED", outcome.error)
 
     def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
@@ -73,7 +76,9 @@ def attach(run: Any, opts: Any) -> CallState | None:
 
     shell = get_ipython()
     parent = current_parent(getattr(shell, "display_pub", None)) or current_parent(sys.stdout)
-    state = CallState(run.fn_name, run.run_id, opts.max_restarts, [Panel(shell, parent)])
+    watch = getattr(run, "watch", None)  # progress, slow and silent ranks (lifecycle/watch.py)
+    panel = Panel(shell, parent, progress=None if watch is None else watch.progress)
+    state = CallState(run.fn_name, run.run_id, opts.max_restarts, [panel])
     run.observers.insert(0, PanelObserver(state, run))
     return state
 

@@ -14,11 +14,13 @@ this run, and the rank's exit hook (`gangrun.tracking.rank`) never ends it there
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import LaunchError
@@ -87,10 +89,11 @@ class Tracker:
             return None
         tracker: Tracker | None = None
         try:
-            uri = resolve_tracking_uri(mlflow.get_tracking_uri())
-            client = MlflowClient(tracking_uri=uri)
-            plan = plan_run(opts, info, mlflow, client, uri)
-            tracker = cls._open(client, plan, info)
+            with quiet_store():
+                uri = resolve_tracking_uri(mlflow.get_tracking_uri())
+                client = MlflowClient(tracking_uri=uri)
+                plan = plan_run(opts, info, mlflow, client, uri)
+                tracker = cls._open(client, plan, info)
             tracker._log_params(info, plan)
             if resolve_log_system_metrics(opts, info):
                 tracker._start_system_metrics(stdout)
@@ -233,6 +236,31 @@ class Tracker:
         self.client.set_terminated(self.run_id, status, end_time=int(time.time() * 1000))
         if problems:
             print("gangrun: the MLflow run is incomplete: " + "; ".join(problems), file=sys.stderr)
+
+
+# MLflow's own INFO lines on the first use of a store ("Creating initial MLflow database
+# tables...", alembic's migrations) would land in the user's cell: held back while a call
+# opens its run. Warnings and errors still pass.
+_STORE_LOGGERS = (
+    "mlflow.store.db.utils",
+    "mlflow.store.db",
+    "alembic",
+    "alembic.runtime.migration",
+)
+
+
+@contextlib.contextmanager
+def quiet_store() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _STORE_LOGGERS]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        if lg.getEffectiveLevel() < logging.WARNING:
+            lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, before, strict=True):
+            lg.setLevel(level)
 
 
 def _set_tags(client: Any, run_id: Any, tags: dict[str, str], strict: bool = True) -> list[str]:

@@ -65,10 +65,10 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str, resumed: bool =
         return f"gangrun: {what}: {url}"
     if scheme.startswith("databricks"):
         return f"gangrun: {what} (experiment {experiment_id}) on {tracking_uri}"
+    # two lines that fit 100 columns (the UI lists the run under its experiment)
     return (
-        f"gangrun: {what} (experiment {experiment_id}). View it with: "
-        f"mlflow ui --backend-store-uri {shlex.quote(tracking_uri)}  then open "
-        f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
+        f"gangrun: {what} (experiment {experiment_id}). View it with:\n"
+        f"  mlflow ui --backend-store-uri {shlex.quote(tracking_uri)}"
     )
 
 

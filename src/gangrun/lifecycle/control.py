@@ -1,0 +1,240 @@
+"""The node's view of a call: its record in the run directory and its control socket.
+
+For ``gangrun ps / logs / stacks / stop`` in another terminal (`gangrun.cli_node`), every
+call of this process writes, into its private run directory (0700):
+
+``call.json`` (0600, replaced atomically at each transition)
+    run id, function, ranks and their pids, GPUs, start time, state, attempt, the MLflow run,
+    the log directory, and the caller: pid, process identity, and what it is (a Jupyter
+    kernel, ``gangrun run``, or a Python script).
+``control`` (a Unix socket, 0600)
+    served by one thread of the caller for the call's lifetime. A request is one JSON line:
+    ``{"op": "stop"}`` cancels the call exactly as ``handle.cancel()`` does (the same
+    teardown, a ``DistributedCancelledError`` naming who stopped it, the MLflow run KILLED)
+    and answers once the call has ended; ``{"op": "stacks"}`` answers with every live
+    rank's stacks; ``{"op": "ping"}``. A peer of another uid (``SO_PEERCRED``) is refused
+    before its request is read. The thread needs no more of the caller than the GIL, so it
+    answers while the kernel's main thread is busy in a cell.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+from ..platform import process_identity
+from .observers import CallInfo, Observer
+from .state import Outcome, State
+
+# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
+log = logging.getLogger("gangrun.lifecycle.control")
+
+RECORD = "call.json"
+SOCKET = "control"
+STOP_WAIT_S = 120.0  # how long a stop request waits for the call to end before answering
+
+
+def caller_kind() -> str:
+    """``kernel`` (a Jupyter kernel), ``gangrun run``, or ``script``."""
+    if "ipykernel" in sys.modules and "IPython" in sys.modules:
+        try:
+            from IPython import get_ipython
+
+            if getattr(get_ipython(), "kernel", None) is not None:
+                return "kernel"
+        except Exception:  # a broken IPython: not a kernel we can tell
+            pass
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "gangrun" or (
+        "gangrun.cli" in sys.modules and getattr(sys.modules["gangrun.cli"], "RUNNING", False)
+    ):
+        return "gangrun run"
+    return "script"
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        return int(uid)
+    except (OSError, AttributeError):
+        return None
+
+
+class ControlObserver(Observer):
+    """Writes the call record at each transition and serves the control socket."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.started = time.time()
+        self.kind = caller_kind()
+        self._sock: socket.socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._thread: threading.Thread | None = None
+        self._state = "starting"
+
+    # ---------------------------------------------------------------- the record
+    def record(self) -> dict[str, Any]:
+        run = self.run
+        gang = run.gang
+        tracker = run.tracker
+        devices = [d.index for d in getattr(run, "_devices", [])]
+        return {
+            "run_id": run.run_id,
+            "function": run.fn_name,
+            "world_size": run.world_size,
+            "gpus": devices,
+            "started": self.started,
+            "state": self._state,
+            "attempt": run.call.attempt,
+            "max_restarts": run.call.max_restarts,
+            "pids": {str(r): p for r, p in (dict(gang.pids) if gang is not None else {}).items()},
+            "log_dir": run.log_dir,
+            "run_dir": run.run_dir,
+            "mlflow_run_id": None if tracker is None else tracker.run_id,
+            "tracking_uri": None if tracker is None else tracker.tracking_uri,
+            "experiment_id": None if tracker is None else tracker.experiment_id,
+            "caller_pid": run.owner_pid,
+            "caller": process_identity(run.owner_pid),
+            "caller_kind": self.kind,
+            "caller_argv": [str(a) for a in sys.argv[:4]],
+            "uid": os.getuid(),
+            "control": self._sock is not None,
+            "updated": time.time(),
+        }
+
+    def write_record(self) -> None:
+        if not self.run.run_dir or os.getpid() != self.run.owner_pid:
+            return
+        path = os.path.join(self.run.run_dir, RECORD)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.record(), f)
+            os.rename(tmp, path)
+        except OSError as exc:  # the run directory is gone: nothing to show any more
+            log.debug("call %s: cannot write its record: %s", self.run.run_id, exc)
+
+    # ---------------------------------------------------------------- observer
+    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        self._state = state.value
+        if state is State.LAUNCHING and self._sock is None and self.run.run_dir:
+            self._serve()
+        self.write_record()
+        if state.terminal:
+            self._close()
+
+    # ---------------------------------------------------------------- the socket
+    def _serve(self) -> None:
+        path = os.path.join(self.run.run_dir, SOCKET)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)  # in the 0700 run directory: no one else can reach it anyway
+            os.chmod(path, 0o600)  # (not umask: that would change other threads' files too)
+            sock.listen(4)
+        except OSError as exc:  # e.g. a path over the 107 bytes of sun_path
+            sock.close()
+            log.debug("call %s: no control socket (%s): gangrun stop cannot reach it", path, exc)
+            return
+        self._sock = sock
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"gangrun-control-{self.run.run_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _close(self) -> None:
+        if self._wake_w != -1:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # the loop already closed it
+                pass
+
+    def _loop(self) -> None:
+        sock, wake = self._sock, self._wake_r
+        assert sock is not None
+        try:
+            while True:
+                ready, _, _ = select.select([sock.fileno(), wake], [], [])
+                if wake in ready:
+                    return
+                conn, _ = sock.accept()
+                with conn:
+                    self._handle(conn)
+        except Exception:
+            log.exception("call %s: the control socket stopped", self.run.run_id)
+        finally:
+            sock.close()
+            try:
+                os.unlink(os.path.join(self.run.run_dir, SOCKET))
+            except OSError:  # the run directory went first
+                pass
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)
+        uid = peer_uid(conn)
+        if uid != os.getuid():
+            log.warning("call %s: refused a control request from uid %s", self.run.run_id, uid)
+            _reply(conn, {"ok": False, "error": "refused: this call belongs to another user"})
+            return
+        try:
+            req = json.loads(conn.makefile("rb").readline() or b"{}")
+        except (OSError, ValueError):
+            return
+        op = req.get("op") if isinstance(req, dict) else None
+        if op == "ping":
+            _reply(conn, {"ok": True, "record": self.record()})
+        elif op == "stacks":
+            watch = getattr(self.run, "watch", None)
+            try:
+                got = {} if watch is None else watch.stacks()
+                _reply(conn, {"ok": True, "stacks": {str(r): s for r, s in got.items()}})
+            except Exception as exc:
+                _reply(conn, {"ok": False, "error": str(exc)})
+        elif op == "stop":
+            who = str(req.get("by") or "")
+            reason = "stopped from the command line (gangrun stop" + (f", {who}" if who else "")
+            log.debug("call %s: %s)", self.run.run_id, reason)
+            self.run.cancel(reason + ")", wait=STOP_WAIT_S)  # the one teardown, as cancel()
+            out = self.run.outcome
+            _reply(
+                conn,
+                {
+                    "ok": True,
+                    "done": self.run.done(),
+                    "state": out.state.value,
+                    "mlflow_status": out.mlflow_status,
+                    "mlflow_run_id": self.run.mlflow_run_id,
+                    "error": None if out.error is None else str(out.error).splitlines()[0],
+                },
+            )
+        else:
+            _reply(conn, {"ok": False, "error": f"unknown request {op!r}"})
+
+
+def _reply(conn: socket.socket, msg: dict[str, Any]) -> None:
+    try:
+        conn.sendall(json.dumps(msg).encode() + b"\n")
+    except OSError:  # the client gave up
+        pass
+
+
+def attach(run: Any) -> list[Observer]:
+    return [ControlObserver(run)]
+
+
+__all__ = ["ControlObserver", "RECORD", "SOCKET", "attach", "caller_kind", "peer_uid"]

@@ -1,0 +1,131 @@
+"""``GANGRUN_LOG_LEVEL=DEBUG``: a call narrates its lifecycle on the ``gangrun`` logger.
+
+The plan (function, world size, backend, GPUs), the acquisitions (run and log directory,
+the GPUs reserved), each attempt's launch (the spawner, chosen in `gangrun.launch.gang`
+with its reason, the rendezvous port, every rank's pid), each rank's exit with its code and
+time, the teardown, restarts and the end. Nothing is formatted unless DEBUG is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..exitcodes import signal_name
+from .observers import CallInfo, Observer
+from .state import Outcome, State
+
+# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
+log = logging.getLogger("gangrun.lifecycle")
+
+
+class NarratorObserver(Observer):
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.t0 = time.monotonic()
+        self.attempt_t0 = self.t0
+
+    def _on(self) -> bool:
+        return log.isEnabledFor(logging.DEBUG)
+
+    def on_plan(self, call: CallInfo) -> None:
+        if not self._on():
+            return
+        opts = self.run.opts
+        where = f"GPUs {opts.gpus}" if opts.gpus is not None else f"processes={opts.processes}"
+        log.debug(
+            "call %s: plan: %s on %d rank(s), backend %s, %s, start_method %s, timeout %s",
+            call.run_id,
+            call.fn_name,
+            call.world_size,
+            opts.backend,
+            where,
+            opts.start_method,
+            opts.timeout,
+        )
+
+    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+        if not self._on():
+            return
+        run, rid = self.run, call.run_id
+        if state is State.LAUNCHING:
+            self.attempt_t0 = time.monotonic()
+            gpus = [f"{d.index} ({d.name})" for d in getattr(run, "_devices", [])]
+            log.debug(
+                "call %s: attempt %d/%d launching: run dir %s, logs %s, GPUs %s",
+                rid,
+                call.attempt + 1,
+                call.max_restarts + 1,
+                run.run_dir,
+                run.log_dir,
+                ", ".join(gpus) or "none",
+            )
+        elif state is State.RUNNING:
+            gang = run.gang
+            spec = getattr(gang, "spec", None)
+            port = spec.ranks[0].env.get("MASTER_PORT") if spec and spec.ranks else "?"
+            pids = dict(gang.pids) if gang is not None else {}
+            spawner = type(getattr(gang, "spawner", None)).__name__
+            log.debug(
+                "call %s: %d rank(s) started in %.2fs by %s, rendezvous port %s",
+                rid,
+                len(pids),
+                time.monotonic() - self.attempt_t0,
+                spawner,
+                port,
+            )
+            for r, pid in sorted(pids.items()):
+                log.debug("call %s: rank %d started: pid %d", rid, r, pid)
+        elif state is State.STOPPING:
+            gang = run.gang
+            alive = getattr(gang, "alive", None)
+            live = alive() if alive is not None else []
+            log.debug(
+                "call %s: teardown: %s (grace %gs)",
+                rid,
+                f"stopping live rank(s) {sorted(live)}" if live else "every rank has exited",
+                run.opts.grace_period,
+            )
+        elif state is State.RESTARTING:
+            err = outcome.attempts[-1].error if outcome.attempts else None
+            log.debug(
+                "call %s: restart %d/%d after %s",
+                rid,
+                call.attempt + 1,
+                call.max_restarts,
+                type(err).__name__ if err is not None else "a failure",
+            )
+        elif state.terminal:
+            err = outcome.error
+            tracked = run.mlflow_run_id
+            log.debug(
+                "call %s: ended %s after %.2fs%s%s",
+                rid,
+                state.value,
+                time.monotonic() - self.t0,
+                f" (MLflow run {tracked} {outcome.mlflow_status})" if tracked else "",
+                f": {type(err).__name__}: {str(err).splitlines()[0]}"
+                if err is not None and str(err)
+                else "",
+            )
+
+    def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
+        if not self._on():
+            return
+        sig = signal_name(exitcode)
+        log.debug(
+            "call %s: rank %d exited with %s after %.2fs%s",
+            self.run.run_id,
+            rank,
+            sig or f"code {exitcode}",
+            time.monotonic() - self.attempt_t0,
+            " (stopped by the teardown)" if stopped else "",
+        )
+
+
+def attach(run: Any) -> list[Observer]:
+    return [NarratorObserver(run)]
+
+
+__all__ = ["NarratorObserver", "attach"]

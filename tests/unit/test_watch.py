@@ -1,0 +1,186 @@
+"""Progress, ETA, slow and silent ranks, the chart grid, the node's call records (no ranks:
+pure functions and the run-directory files, with a timeline given by the test)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+
+from gangrun import progress
+from gangrun.cli_node import CallRef, Unknown, find_calls, resolve
+from gangrun.cli_status import ClearingStream, StatusLine
+from gangrun.lifecycle import watch
+from gangrun.lifecycle.control import RECORD
+from gangrun.notebook import charts, html
+from gangrun.notebook.state import CallState
+from gangrun.progress import StepReport
+from gangrun.progress_view import Progress, RankProgress, summary_line
+from gangrun.tracking.plan import run_link
+
+
+def rep(rank, step, t, total=1000, first=(0, 0.0)):
+    return StepReport(rank, step, total, None, first[0], first[1], t)
+
+
+def test_slow_rank_marked_after_the_window_with_its_ratio(monkeypatch):
+    monkeypatch.setenv("GANGRUN_SLOW_AFTER", "5")
+    tr = watch.ProgressTracker(2)
+    p = None
+    for t in range(1, 12):  # rank 0: 10 steps/s, rank 1: 2 steps/s
+        p = tr.update({0: rep(0, 10 * t, t), 1: rep(1, 2 * t, t)}, now=float(t))
+        if t < 6:
+            assert p.slow == {}, t  # below the others' median, but not for 5 s yet
+    assert p is not None and set(p.slow) == {1}
+    assert p.slow[1] == pytest.approx(0.2, rel=0.05)
+    assert p.step == 22 and p.total == 1000  # the gang is as far as its slowest rank
+    assert p.eta_s == pytest.approx((1000 - 22) / 2, rel=0.05)  # that rank's own rate
+    assert "slow: rank 1 (0.20x)" in summary_line(p) and "ETA" in summary_line(p)
+    # rank 1 keeps pace again: the mark goes once its recent rate is back
+    for t in range(12, 40):
+        p = tr.update({0: rep(0, 110 + 10 * (t - 11), t), 1: rep(1, 22 + 10 * (t - 11), t)}, t)
+    assert p.slow == {}
+
+
+def test_nothing_reported_nothing_guessed():
+    tr = watch.ProgressTracker(2)
+    p = tr.update({}, now=10.0)
+    assert not p.reported and p.eta_s is None and summary_line(p) == ""
+    p = tr.update({0: rep(0, 5, 2.0, total=None)}, now=2.0)
+    assert p.reported and p.total is None and p.eta_s is None  # no total: no ETA
+    assert summary_line(p).startswith("step 5 ·")
+
+
+def test_silent_rank_marked(monkeypatch):
+    monkeypatch.setenv("GANGRUN_SILENT_AFTER", "30")
+    tr = watch.ProgressTracker(2)
+    p = tr.update({}, now=100.0, last_progress={0: 95.0, 1: 60.0})
+    assert p.silent == {1: 40.0} and not p.reported
+    assert "rank 1" in summary_line(Progress(step=3, ranks=p.ranks))
+
+
+def test_a_new_attempt_starts_its_rates_afresh():
+    tr = watch.ProgressTracker(1)
+    tr.update({0: rep(0, 100, 10.0)}, 10.0)
+    p = tr.update({0: rep(0, 5, 21.0, first=(0, 20.0))}, 21.0)  # first_time changed
+    assert p.ranks[0].rate == pytest.approx(5.0)
+
+
+def test_flush_writes_the_report_the_throttle_held_back(tmp_path):
+    progress.bind(str(tmp_path), 0)
+    progress.report_step(1, 10)
+    progress.report_step(10, 10)  # within MIN_INTERVAL_S: held back
+    assert progress.read(str(tmp_path), 0).step == 1
+    progress.flush()
+    assert progress.read(str(tmp_path), 0).step == 10
+
+
+def test_aggregate_merges_ranks_per_step_and_caps_points():
+    agg = charts.aggregate([(0, 1.0), (0, 3.0), (1, 2.0), (1, float("nan"))])
+    assert agg == [(0.0, 2.0, 1.0, 3.0), (1.0, 2.0, 2.0, 2.0)]
+    many = charts.aggregate([(s, float(s)) for s in range(10_000)])
+    assert len(many) <= charts.MAX_POINTS and many[-1][0] == 9999
+    assert min(p[2] for p in many) == 0 and max(p[3] for p in many) == 9999
+
+
+def test_grid_one_chart_per_metric_own_axes_band_and_cap():
+    series = {
+        "loss": [(s, 1.0 + 0.1 * r) for s in range(50) for r in (0, 1)],  # 2 ranks, same key
+        "total": [(e, 1000.0 + e) for e in range(3)],  # once per epoch
+    }
+    out = html.svg_chart(series)
+    assert out.count('class="gangrun-metric"') == 2
+    loss = out[out.index('data-metric="loss"') : out.index('data-metric="total"')]
+    assert 'data-band="1"' in loss and 'data-points="50"' in loss
+    assert loss.count("<polyline") == 1 and "<polygon" in loss  # one mean line, one band
+    total = out[out.index('data-metric="total"') :]
+    assert 'data-band="0"' in total and total.count("<circle") == 3  # markers: few points
+    assert 'data-y-min="1000" data-y-max="1002"' in total  # own y ranges
+    assert 'data-y-min="1" data-y-max="1.1"' in loss
+    many = {f"m{i:02d}": [(0, float(i))] for i in range(charts.MAX_CHARTS + 3)}
+    out = html.svg_chart(many, {"extra": 7.0})
+    assert out.count('class="gangrun-metric"') == charts.MAX_CHARTS
+    assert "more: " in out and "m14 14" in out and "extra 7" in out
+    assert html.svg_chart({}) == ""
+
+
+def test_panel_shows_progress_slow_and_silent_marks():
+    st = CallState("train", "r1")
+    st.starting(2)
+    st.attempt_started(0)
+    p = Progress(
+        step=40,
+        total=100,
+        rate=4.0,
+        eta_s=15.0,
+        ranks={
+            0: RankProgress(0, 90, 100, 10.0),
+            1: RankProgress(1, 40, 100, 2.0, slow_ratio=0.2, silent_for=300.0),
+        },
+    )
+    out = html.render_panel(st.snapshot, progress=p)
+    assert 'class="gangrun-progress">step 40/100 (40%) · 4 steps/s · ETA 15s' in out
+    assert 'data-rank="1" data-state="running" data-slow="0.20" data-silent="300"' in out
+    assert "slow 0.20x" in out and "handle.stacks()" in out
+    assert "data-slow" not in out.split('data-rank="1"')[0]  # rank 0 is fine
+    st.ended("FINISHED")
+    final = html.render_panel(st.snapshot, progress=p)
+    assert "ETA" not in final and "data-silent" not in final  # frozen: no live guesses
+    assert html.header_lines(st.snapshot)[0].startswith("<b>train</b>")
+
+
+def test_the_mlflow_hint_fits_100_columns():
+    for uri in ("sqlite:////home/me/project/mlflow.db", "file:///home/me/project/mlruns"):
+        text = run_link(uri, "0", "a" * 32)
+        lines = text.splitlines()
+        assert len(lines) <= 2 and all(len(line) <= 100 for line in lines), lines
+        assert f"mlflow ui --backend-store-uri {uri}" in text
+
+
+def _record(tmp, name, uid=None, **rec):
+    d = tmp / f"gangrun-{name}-x"
+    d.mkdir(mode=0o700)
+    base = {"run_id": name, "caller_pid": os.getpid(), "caller": None, "state": "running"}
+    (d / RECORD).write_text(json.dumps({**base, **rec}))
+    if uid is not None:
+        os.chown(d, uid, uid)
+    return d
+
+
+def test_find_calls_sees_only_this_users_records_and_resolve(tmp_path):
+    from gangrun.platform import process_identity
+
+    me = process_identity(os.getpid())
+    _record(tmp_path, "abc123", caller=me, mlflow_run_id="f" * 32, started=1)
+    _record(tmp_path, "abd456", caller=me, started=2)
+    _record(tmp_path, "zzz999", uid=65534, caller=me)  # another user's: invisible
+    _record(tmp_path, "dead00", caller="1:1", started=3)  # its caller is gone
+    calls = find_calls(str(tmp_path))
+    assert [c.run_id for c in calls][:2] == ["abc123", "abd456"]
+    assert "zzz999" not in [c.run_id for c in calls]
+    dead = next(c for c in calls if c.run_id == "dead00")
+    assert not dead.running and dead.state == "caller gone"
+    assert resolve("abc123", calls).run_id == "abc123"
+    assert resolve("abd", calls).run_id == "abd456"
+    assert resolve("f" * 32, calls).run_id == "abc123"  # the MLflow run id
+    assert resolve("fff", calls).run_id == "abc123"
+    with pytest.raises(Unknown, match="several calls"):
+        resolve("ab", calls)
+    with pytest.raises(Unknown, match="no call of yours"):
+        resolve("zzz999", calls)
+    assert isinstance(calls[0], CallRef)
+
+
+def test_status_line_is_erased_before_rank_output():
+    tty = io.StringIO()
+    status = StatusLine(tty)
+    out = ClearingStream(tty, status)
+    status.draw("gangrun: step 1/10")
+    out.write("[rank 0] hello\n")
+    status.draw("gangrun: step 2/10")
+    status.close()
+    text = tty.getvalue()
+    assert text.index("step 1/10") < text.index("\r\x1b[K[rank 0] hello")
+    assert text.endswith("step 2/10\r\x1b[K")
