@@ -29,6 +29,8 @@ CALL_MODULES = (
     "psutil",
     "gangrun._log",
     "gangrun.lifecycle.supervisor",
+    "gangrun.lifecycle.control",
+    "gangrun.lifecycle.narrate",
     "gangrun.launch.gang",
     "gangrun.launch.limits",
     "gangrun.launch.forkserver.spawner",
@@ -37,7 +39,12 @@ CALL_MODULES = (
     "gangrun.notebook.checks",
     "gangrun.notebook.source",
 )
-KERNEL_MODULES = ("gangrun.notebook.routing", "gangrun.notebook.panel", "gangrun.notebook.html")
+KERNEL_MODULES = (
+    "gangrun.notebook.routing",
+    "gangrun.notebook.panel",
+    "gangrun.notebook.html",
+    "gangrun.notebook.resumed",
+)
 
 
 def prewarm(pool: int = 2) -> None:
