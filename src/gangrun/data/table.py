@@ -193,7 +193,9 @@ class TableDataset(IterableDataset):
         import numpy as np
         import pyarrow as pa
 
-        reader = _Reader(self, plan.pieces(order, self._unit_rows, wpos + done, wrows - done))
+        # a resumed shuffled run re-reads its current block from the block's start
+        begin = done - done % self.shuffle_buffer if self.shuffle else done
+        reader = _Reader(self, plan.pieces(order, self._unit_rows, wpos + begin, wrows - begin))
         try:
             if not self.shuffle:
                 for p in reader.todo:
@@ -410,12 +412,13 @@ class _Reader:
             from .prefetch import stream
 
             entries = [ds.table.files[f] for f in uses]
+            access = self.access
             self._paths = stream(
                 entries,
                 None,
                 None,
-                read=self.access.fetch,  # type: ignore[arg-type]
-                hit=self.access.hit,  # type: ignore[arg-type]
+                read=lambda e: (e.path, access.fetch(e)),  # type: ignore[arg-type, return-value]
+                hit=lambda e: (e.path, p) if (p := access.hit(e)) else None,  # type: ignore[arg-type, return-value]
                 decode=None,
                 prefetch=ds.prefetch,
             )
@@ -433,7 +436,9 @@ class _Reader:
                 if self.access.local:
                     path: str | None = entry.path
                 elif self._paths is not None:
-                    path = next(self._paths)[0]
+                    (want, path), _ = next(self._paths)
+                    if want != entry.path:  # the reader left the planned order: a bug
+                        raise RuntimeError(f"TableDataset: read {entry.path}, planned {want}")
                 else:
                     path = None
                 frag = fragment(self.access, entry, path, ds.table.partitions[f])

@@ -82,6 +82,14 @@ def check_protocol(
         )
 
 
+def _check_commit_time(dt: Any, want: datetime.datetime) -> None:
+    """deltalake loads the first version for a time before the table existed: refuse that."""
+    ms = want.timestamp() * 1000
+    for entry in dt.history():
+        if entry.get("version") == dt.version() and entry.get("timestamp", 0) > ms:
+            raise TableError(f"the table's first commit is after {want.isoformat()}")
+
+
 def _table_uri(source: Any, fs: Any, path: str) -> str:
     proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     if proto in ("file", "local"):
@@ -114,12 +122,16 @@ def open_delta(
     latest = dt.version()
     if version is not None or timestamp is not None:
         want: Any = int(version) if version is not None else timestamp
+        if isinstance(want, str):
+            want = datetime.datetime.fromisoformat(want)
         if isinstance(want, datetime.datetime) and want.tzinfo is None:
             want = want.replace(tzinfo=datetime.timezone.utc)
         try:
             dt.load_as_version(want)
+            if timestamp is not None:
+                _check_commit_time(dt, want)
         except Exception as e:
-            what = f"version {want}" if version is not None else f"a version at {want}"
+            what = f"version {want}" if version is not None else f"version at or before {want}"
             raise TableError(
                 f"Delta table {source!r} has no {what} (its versions go up to {latest}; "
                 f"older ones may have been cleaned up): {e}"

@@ -147,9 +147,9 @@ def block_seed(seed: int, epoch: int, start: int, block: int) -> int:
 def blocks(done: int, rows: int, size: int) -> list[tuple[int, int, int, int]]:
     """The shuffle blocks of a worker run of ``rows`` rows still to read after ``done``:
     ``(block index, first row in the run, rows in the block, rows of it already yielded)``."""
-    out = []
+    out: list[tuple[int, int, int, int]] = []
     j = done // size
-    while j * size < rows:
+    while j * size < rows and done < rows:
         lo = j * size
         out.append((j, lo, min(size, rows - lo), max(0, done - lo)))
         j += 1
