@@ -10,7 +10,7 @@ from typing import Any
 
 PARQUET_FILES = [(1300, [128, 300, 77]), (700, [700]), (1001, [97])]  # rows, row group sizes
 PARQUET_ROWS = sum(n for n, _ in PARQUET_FILES)  # 3001: odd, 2 ranks cannot split it evenly
-DELTA_V0, DELTA_V1 = 1800, 1201  # rows written by version 0, and appended by version 1
+DELTA_V0, DELTA_V1 = 1800, 1200  # version 0 rows, rows appended by version 1 (3000: even)
 
 
 def _rows(lo: int, n: int, extra: bool = False) -> Any:
