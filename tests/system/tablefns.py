@@ -51,6 +51,7 @@ def epochs(source: str, opts: dict, cache_dir: str, workers: list[int]) -> dict[
         again.load_state_dict(state)
         got["rest"] = _ids(again.loader(num_workers=nw))
         out[str(nw)] = got
+        out["keys"] = sorted(ds._access.key(e) for e in ds.table.files)  # its cache entries
     return out
 
 

@@ -93,11 +93,9 @@ def test_two_ranks_every_row_once_per_epoch(s3, tmp_path, kind, where):
     # the same order whatever the worker count
     assert sorted(_flat(r0["0"]["e0"])) == sorted(_flat(r0["3"]["e0"]))
     if where == "s3":  # both ranks and all workers filled one node cache: one entry per file
-        from gangrun.data import TableDataset
-
-        ds = TableDataset(source, storage_options=opts, cache=False)
-        keys = {ds._access.key(e) for e in ds.table.files}
-        assert sorted(os.listdir(tmp_path / "cache" / "data")) == sorted(keys)
+        # (the keys come from the ranks: deltalake in this process would block on the GIL
+        # that the in-process moto server needs)
+        assert sorted(os.listdir(tmp_path / "cache" / "data")) == r0["keys"] == r1["keys"]
 
 
 @pytest.mark.slow
