@@ -8,9 +8,9 @@ import os
 
 import pytest
 import tablefns
-import tablewriters as tw
 
 import gangrun
+import tablewriters as tw
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("deltalake")

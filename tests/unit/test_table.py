@@ -17,8 +17,8 @@ import time
 import uuid
 
 import pytest
-import tablewriters as tw
 
+import tablewriters as tw
 from gangrun.data import TableDataset, TableError
 from gangrun.data import table_plan as plan
 
@@ -282,7 +282,9 @@ def test_delta_versions_and_added_column(delta, tmp_path):
     assert TableDataset(uri, timestamp=stamp).rows == len(ids1)
     with pytest.raises(TableError, match="has no version at or before .*first commit is after"):
         TableDataset(uri, timestamp=datetime.datetime(2000, 1, 1))
-    per_rank = _ranks(uri, tmp_path, shuffle=True, seed=1, batch_size=128, filter=[("part", "=", "a")])
+    per_rank = _ranks(
+        uri, tmp_path, shuffle=True, seed=1, batch_size=128, filter=[("part", "=", "a")]
+    )
     got = _ids(per_rank[0]) + _ids(per_rank[1])
     want = {i for i in ids0 if i % 3 == 0} | (ids1 - ids0)
     assert set(got) == want and len(got) - len(want) <= 1

@@ -21,13 +21,20 @@ from torch.utils.data import IterableDataset
 from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
-from .table_convert import OUTPUTS, as_record_batch, convert
-from .table_source import FileAccess, TableError, fingerprint, fragment, plan_units, resolve
+from .loader import VolumeLoader
+from .table_convert import OUTPUTS, as_record_batch, convert, unwire
+from .table_delta import resolve
+from .table_source import (
+    FileAccess,
+    Reader,
+    TableError,
+    expression,
+    fingerprint,
+    plan_units,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-    from .loader import VolumeLoader
 
 
 def _identity(x: Any) -> Any:
@@ -127,7 +134,7 @@ class TableDataset(IterableDataset):
         self.transform = transform
         self.use_threads = use_threads
         self.storage_options = dict(storage_options or {})
-        self.filter = _expression(filter)
+        self.filter = expression(filter)
         self.table = resolve(
             source, format, self.storage_options, version, timestamp, delta_storage_options
         )
@@ -173,9 +180,7 @@ class TableDataset(IterableDataset):
         """Rank ``rank``'s share of the epoch (first position, rows, batches)."""
         r, world = self.rank_world()
         r = r if rank is None else rank
-        return plan.rank_layout(
-            self.rows, r, world, self.batch_size, self.uneven, self.drop_last
-        )
+        return plan.rank_layout(self.rows, r, world, self.batch_size, self.uneven, self.drop_last)
 
     def __len__(self) -> int:
         """Batches per rank and epoch (the same on every rank)."""
@@ -195,7 +200,11 @@ class TableDataset(IterableDataset):
 
         # a resumed shuffled run re-reads its current block from the block's start
         begin = done - done % self.shuffle_buffer if self.shuffle else done
-        reader = _Reader(self, plan.pieces(order, self._unit_rows, wpos + begin, wrows - begin))
+        from torch.utils.data import get_worker_info
+
+        threads = get_worker_info() is None if self.use_threads is None else self.use_threads
+        todo = plan.pieces(order, self._unit_rows, wpos + begin, wrows - begin)
+        reader = Reader(self, todo, bool(threads))
         try:
             if not self.shuffle:
                 for p in reader.todo:
@@ -209,9 +218,15 @@ class TableDataset(IterableDataset):
         finally:
             reader.close()
 
-    def _batches(self, wpos: int, wrows: int, done: Sequence[int]) -> Iterator[tuple[Any, Any]]:
+    def _batches(
+        self, wpos: int, wrows: int, done: Sequence[int] | None, wire: bool = False
+    ) -> Iterator[tuple[Any, Any]]:
         """``(batch, (batches done, rows done))`` of one worker run, from progress ``done``."""
         nb, nr = (list(done) + [0, 0])[:2] if done else (0, 0)
+        from torch.utils.data import get_worker_info
+
+        in_worker = get_worker_info() is not None
+        wire = wire and in_worker  # TableLoader's workers hand plain arrays over
         order = self.unit_order()
         bs = self.batch_size
         buf: list[pa.Table] = []
@@ -223,7 +238,7 @@ class TableDataset(IterableDataset):
 
             table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
             buf, have = [], 0
-            out = convert(as_record_batch(table), self.output)
+            out = convert(as_record_batch(table), self.output, in_worker, wire)
             if self.transform is not None:
                 out = self.transform(out)
             nb, nr = nb + 1, nr + table.num_rows
@@ -241,12 +256,13 @@ class TableDataset(IterableDataset):
         if have:
             yield emit()
 
-    def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
+    def _iterate(
+        self, start: dict[str, Any] | None, tagged: bool, wire: bool = False
+    ) -> Iterator[Any]:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        self._in_worker = info is not None
         _, world = self.rank_world()
         wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
         wstart = None
@@ -263,7 +279,7 @@ class TableDataset(IterableDataset):
         track = info is None and not tagged
         if track:
             self.start_progress(1, start if wstart else None)
-        batches = self._batches(wpos, wrows, wstart)
+        batches = self._batches(wpos, wrows, wstart, wire)
         if tagged:
             for batch, progress in batches:
                 yield batch, (wid, progress)
@@ -356,15 +372,13 @@ class TableDataset(IterableDataset):
             progress = None
         self._resume = progress
 
-    def loader(self, **dataloader_kwargs: Any) -> VolumeLoader:
+    def loader(self, **dataloader_kwargs: Any) -> TableLoader:
         """A ``DataLoader`` over this dataset's batches that keeps :meth:`state_dict` exact
         (``num_workers``, ``pin_memory``, ... as usual; the batch size is the dataset's)."""
-        from .loader import VolumeLoader
-
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise ValueError("TableDataset batches itself: give batch_size= to TableDataset")
         dataloader_kwargs.setdefault("collate_fn", _identity)
-        return VolumeLoader(self, batch_size=None, **dataloader_kwargs)
+        return TableLoader(self, batch_size=None, **dataloader_kwargs)
 
     def __repr__(self) -> str:
         return (
@@ -374,88 +388,40 @@ class TableDataset(IterableDataset):
         )
 
 
-def _expression(filter: Any) -> Any:
-    if filter is None:
-        return None
-    import pyarrow.compute as pc
+class _WireView:
+    """The dataset as :class:`TableLoader`'s workers see it: batches for ``output="torch"``
+    travel as plain arrays (see :func:`.table_convert.to_wire`)."""
 
-    if isinstance(filter, pc.Expression):
-        return filter
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.filters_to_expression(filter)
-    except (TypeError, ValueError) as e:
-        raise TableError(f"filter must be a pyarrow Expression or DNF tuples: {e}") from e
-
-
-class _Reader:
-    """Reads a worker's pieces in order: one open file and one decoded row group at a time;
-    remote files are filled into the cache ``prefetch`` files ahead (the prefetch machinery
-    of :class:`~gangrun.data.VolumeDataset`)."""
-
-    def __init__(self, ds: TableDataset, todo: list[plan.Piece]) -> None:
-        from torch.utils.data import get_worker_info
-
+    def __init__(self, ds: TableDataset) -> None:
         self.ds = ds
-        self.todo = todo
-        self.access = ds._access
-        threads = ds.use_threads
-        self.threads = (get_worker_info() is None) if threads is None else bool(threads)
-        uses: list[int] = []
-        for p in todo:
-            f = ds.units[p.unit][0]
-            if not uses or uses[-1] != f:
-                uses.append(f)
-        self._paths: Iterator[Any] | None = None
-        if not self.access.local and self.access.cached and uses:
-            from .prefetch import stream
 
-            entries = [ds.table.files[f] for f in uses]
-            access = self.access
-            self._paths = stream(
-                entries,
-                None,
-                None,
-                read=lambda e: (e.path, access.fetch(e)),  # type: ignore[arg-type, return-value]
-                hit=lambda e: (e.path, p) if (p := access.hit(e)) else None,  # type: ignore[arg-type, return-value]
-                decode=None,
-                prefetch=ds.prefetch,
-            )
-        self._file = -1
-        self._groups: list[Any] = []
-        self._unit = -1
-        self._table: Any = None
+    def resume_position(self) -> dict[str, Any] | None:
+        return self.ds.resume_position()
 
-    def read(self, piece: plan.Piece) -> pa.Table:
-        ds = self.ds
-        if piece.unit != self._unit:
-            f, g, _ = ds.units[piece.unit]
-            if f != self._file:
-                entry = ds.table.files[f]
-                if self.access.local:
-                    path: str | None = entry.path
-                elif self._paths is not None:
-                    (want, path), _ = next(self._paths)
-                    if want != entry.path:  # the reader left the planned order: a bug
-                        raise RuntimeError(f"TableDataset: read {entry.path}, planned {want}")
-                else:
-                    path = None
-                frag = fragment(self.access, entry, path, ds.table.partitions[f])
-                self._groups = frag.split_by_row_group()
-                self._file = f
-            self._table = self._groups[g].to_table(
-                schema=ds.schema, columns=ds.columns, filter=ds.filter, use_threads=self.threads
-            )
-            self._unit = piece.unit
-        return self._table.slice(piece.start, piece.length)
+    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+        self.ds.start_progress(num_workers, start)
 
-    def close(self) -> None:
-        if self._paths is not None:
-            close = getattr(self._paths, "close", None)
-            if close is not None:
-                close()
-        self._groups, self._table = [], None
+    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]:
+        return self.ds._iterate(start, tagged=True, wire=True)
+
+    def record_progress(self, worker: int, progress: Any) -> None:
+        self.ds.record_progress(worker, progress)
 
 
-__all__ = ["TableDataset", "TableError"]
+class TableLoader(VolumeLoader):
+    """The loader of :meth:`TableDataset.loader`: a :class:`~gangrun.data.VolumeLoader` whose
+    workers hand small batches over as plain arrays (one pickled copy through the pipe, which
+    costs less than a shared memory segment per batch), made tensors here without a copy."""
+
+    def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
+        self.table = dataset
+        wire = dataset.output == "torch" and dataset.transform is None
+        view: Any = _WireView(dataset) if wire and not kwargs.get("pin_memory") else dataset
+        super().__init__(view, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        for batch in super().__iter__():
+            yield unwire(batch)
+
+
+__all__ = ["TableDataset", "TableError", "TableLoader"]

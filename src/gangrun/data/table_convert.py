@@ -35,10 +35,9 @@ def _as_int(col: pa.Array) -> pa.Array | None:
     return None
 
 
-def column_to_torch(col: pa.Array) -> Any:
-    """One column as a tensor (zero-copy where the layout allows) or a list."""
-    import torch
-
+def column_array(col: pa.Array) -> Any:
+    """One column as a numpy array a tensor can wrap (zero-copy where the layout allows), or
+    a Python list (strings, binary, nested types, booleans/lists with nulls)."""
     t = col.type
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
@@ -46,31 +45,66 @@ def column_to_torch(col: pa.Array) -> Any:
     if as_int is not None and col.null_count == 0:
         col, t = as_int, as_int.type
     if _numeric(t):
-        if col.null_count == 0:
-            return torch.from_numpy(col.to_numpy(zero_copy_only=True))
-        return torch.from_numpy(col.to_numpy(zero_copy_only=False))  # NaN for nulls
+        # no nulls: a view of Arrow's buffer; with nulls: floats with NaN
+        return col.to_numpy(zero_copy_only=col.null_count == 0)
     if pa.types.is_boolean(t) and col.null_count == 0:
-        return torch.from_numpy(col.to_numpy(zero_copy_only=False))
-    if (
-        pa.types.is_fixed_size_list(t)
-        and col.null_count == 0
-        and _numeric(t.value_type)
-        and col.flatten().null_count == 0
-    ):
-        flat = col.flatten().to_numpy(zero_copy_only=True)
-        return torch.from_numpy(flat).reshape(len(col), t.list_size)
+        return col.to_numpy(zero_copy_only=False)
+    if pa.types.is_fixed_size_list(t) and col.null_count == 0 and _numeric(t.value_type):
+        flat = col.flatten()
+        if flat.null_count == 0:
+            return flat.to_numpy(zero_copy_only=True).reshape(len(col), t.list_size)
     return col.to_pylist()
 
 
-def to_torch(batch: pa.RecordBatch) -> dict[str, Any]:
-    """``{column: tensor or list}`` of one record batch (see the module docstring)."""
+def column_to_torch(col: pa.Array) -> Any:
+    """One column as a tensor (zero-copy where the layout allows) or a list."""
+    import torch
+
+    arr = column_array(col)
+    if isinstance(arr, list):
+        return arr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only Arrow memory
+        return torch.from_numpy(arr)
+
+
+def to_torch(batch: pa.RecordBatch, pack: bool = False) -> dict[str, Any]:
+    """``{column: tensor or list}`` of one record batch (see the module docstring).
+
+    ``pack``: copy the tensors into one block of shared memory (views of one storage), so
+    that handing the batch to another process (a DataLoader worker's queue) sends one shared
+    memory segment instead of one per column.
+    """
+    arrays = {n: column_array(c) for n, c in zip(batch.schema.names, batch.columns, strict=True)}
+    return _tensors(arrays, pack)
+
+
+def _tensors(arrays: dict[str, Any], pack: bool) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    out: dict[str, Any] = {}
+    if pack:
+        spans, total = {}, 0
+        for name, arr in arrays.items():
+            if not isinstance(arr, list):
+                spans[name] = total
+                total += -(-arr.nbytes // 64) * 64  # 64-byte aligned views
+        if spans:
+            block = torch.empty(total, dtype=torch.uint8).share_memory_()
+            for name, off in spans.items():
+                arr = arrays[name]
+                dtype = torch.from_numpy(np.empty(0, arr.dtype)).dtype
+                view = block[off : off + arr.nbytes].view(dtype).view(arr.shape)
+                np.copyto(view.numpy(), arr)
+                out[name] = view
     with warnings.catch_warnings():
         # Arrow's buffers are read-only; torch warns once that writing to them is undefined.
         warnings.simplefilter("ignore", UserWarning)
-        return {
-            name: column_to_torch(col)
-            for name, col in zip(batch.schema.names, batch.columns, strict=True)
-        }
+        for name, arr in arrays.items():
+            if name not in out:
+                out[name] = arr if isinstance(arr, list) else torch.from_numpy(arr)
+    return {name: out[name] for name in arrays}
 
 
 def to_numpy(batch: pa.RecordBatch) -> dict[str, Any]:
@@ -91,18 +125,70 @@ def as_record_batch(table: pa.Table) -> pa.RecordBatch:
     return batches[0]
 
 
+#: below this many bytes a worker's batch travels pickled through the DataLoader's pipe (one
+#: copy, no shared memory segment to create and pass); above, in one shared memory block.
+PIPE_BYTES = 2 << 20
+
+
+class WireBatch(dict):  # type: ignore[type-arg]
+    """A DataLoader worker's batch on its way to the training process: numpy arrays (and
+    lists), made tensors there by :func:`unwire` without another copy."""
+
+
+def unwire(batch: Any) -> Any:
+    """Tensors of a :class:`WireBatch` (zero-copy over the received arrays); others as is."""
+    if type(batch) is not WireBatch:
+        return batch
+    import torch
+
+    return {k: v if isinstance(v, list) else torch.from_numpy(v) for k, v in batch.items()}
+
+
+def to_wire(batch: pa.RecordBatch) -> Any:
+    """What a worker hands over for ``output="torch"``: a :class:`WireBatch` for a small
+    batch, tensors in one shared memory block for a large one."""
+    arrays = {n: column_array(c) for n, c in zip(batch.schema.names, batch.columns, strict=True)}
+    size = sum(a.nbytes for a in arrays.values() if not isinstance(a, list))
+    if size >= PIPE_BYTES:
+        return _tensors(arrays, pack=True)
+    return WireBatch(arrays)
+
+
+def compact(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A copy of ``batch`` that owns just its rows: pickling a slice of a larger batch (what a
+    DataLoader worker does to hand it over) would otherwise send the whole parent buffers."""
+    arrays = [pa.concat_arrays([c]) for c in batch.columns]
+    return pa.RecordBatch.from_arrays(arrays, schema=batch.schema)
+
+
 OUTPUTS = {"torch": to_torch, "numpy": to_numpy, "arrow": None, "pandas": None}
 
 
-def convert(batch: pa.RecordBatch, output: str) -> Any:
-    """``batch`` as ``output``: ``"torch"``, ``"numpy"``, ``"arrow"`` or ``"pandas"``."""
+def convert(batch: pa.RecordBatch, output: str, pickled: bool = False, wire: bool = False) -> Any:
+    """``batch`` as ``output``: ``"torch"``, ``"numpy"``, ``"arrow"`` or ``"pandas"``
+    (``pickled``: it will be pickled, to another process; ``wire``: and made tensors there,
+    by :func:`unwire`)."""
     if output == "arrow":
-        return batch
+        return compact(batch) if pickled else batch
     if output == "pandas":
         return batch.to_pandas()
     if output == "numpy":
         return to_numpy(batch)
-    return to_torch(batch)
+    if wire:
+        return to_wire(batch)
+    return to_torch(batch, pack=pickled)
 
 
-__all__ = ["OUTPUTS", "as_record_batch", "column_to_torch", "convert", "to_numpy", "to_torch"]
+__all__ = [
+    "OUTPUTS",
+    "as_record_batch",
+    "column_array",
+    "column_to_torch",
+    "compact",
+    "convert",
+    "to_numpy",
+    "to_torch",
+    "to_wire",
+    "unwire",
+    "WireBatch",
+]

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .listing import FileEntry
-from .table_source import TableError, TableFiles, _fs_path
+from .table_source import TableError, TableFiles, _fs_path, is_delta_dir, parquet_files
 
 #: Delta reader features whose tables this reader reads correctly.
 SUPPORTED_READER_FEATURES = frozenset(
@@ -165,8 +165,10 @@ def open_delta(
         expr = None
         for c in parts:
             v = values[c][i]
-            term = pc.field(c).is_null() if v is None else pc.field(c) == pa.scalar(
-                v, schema.field(c).type
+            term = (
+                pc.field(c).is_null()
+                if v is None
+                else pc.field(c) == pa.scalar(v, schema.field(c).type)
             )
             expr = term if expr is None else expr & term
         rows.append((fs._strip_protocol(u), int(sizes[i]), str(mtimes[i]), expr))
@@ -184,4 +186,32 @@ def open_delta(
     )
 
 
-__all__ = ["SUPPORTED_READER_FEATURES", "check_protocol", "delta_storage_options", "open_delta"]
+def resolve(
+    source: Any,
+    fmt: str,
+    storage_options: dict[str, Any],
+    version: int | None = None,
+    timestamp: Any = None,
+    delta_options: dict[str, str] | None = None,
+) -> TableFiles:
+    """The files of ``source`` (``fmt``: ``"auto"``, ``"parquet"`` or ``"delta"``)."""
+    if fmt not in ("auto", "parquet", "delta"):
+        raise TableError(f"format must be 'auto', 'parquet' or 'delta', got {fmt!r}")
+    delta = is_delta_dir(source, storage_options) if fmt != "delta" else True
+    if delta and fmt == "parquet":
+        raise TableError(
+            f"{source!r} is a Delta table (it has a _delta_log): reading its files as plain "
+            "Parquet would include files the table removed; use format='delta' (or 'auto')"
+        )
+    if delta:
+        return open_delta(source, storage_options, version, timestamp, delta_options)
+    return parquet_files(source, storage_options, version, timestamp)
+
+
+__all__ = [
+    "resolve",
+    "SUPPORTED_READER_FEATURES",
+    "check_protocol",
+    "delta_storage_options",
+    "open_delta",
+]

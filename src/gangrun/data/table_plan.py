@@ -106,9 +106,7 @@ def worker_batches(layout: Layout, wid: int, nw: int) -> int:
     return layout.batches * (wid + 1) // nw - layout.batches * wid // nw
 
 
-def pieces(
-    order: Sequence[int], rows: Sequence[int], start: int, length: int
-) -> list[Piece]:
+def pieces(order: Sequence[int], rows: Sequence[int], start: int, length: int) -> list[Piece]:
     """The unit row ranges of epoch positions ``[start, start + length)``, in order;
     positions ``>= N`` wrap to the start of the epoch (padding)."""
     total = sum(rows[u] for u in order)

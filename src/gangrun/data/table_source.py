@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,27 +62,10 @@ def is_delta_dir(source: Any, storage_options: dict[str, Any]) -> bool:
     return bool(fs.isdir(path.rstrip("/") + "/_delta_log"))
 
 
-def resolve(
-    source: Any,
-    fmt: str,
-    storage_options: dict[str, Any],
-    version: int | None = None,
-    timestamp: Any = None,
-    delta_options: dict[str, str] | None = None,
+def parquet_files(
+    source: Any, storage_options: dict[str, Any], version: Any = None, timestamp: Any = None
 ) -> TableFiles:
-    """The files of ``source`` (``fmt``: ``"auto"``, ``"parquet"`` or ``"delta"``)."""
-    if fmt not in ("auto", "parquet", "delta"):
-        raise TableError(f"format must be 'auto', 'parquet' or 'delta', got {fmt!r}")
-    delta = is_delta_dir(source, storage_options) if fmt != "delta" else True
-    if delta and fmt == "parquet":
-        raise TableError(
-            f"{source!r} is a Delta table (it has a _delta_log): reading its files as plain "
-            "Parquet would include files the table removed; use format='delta' (or 'auto')"
-        )
-    if delta:
-        from .table_delta import open_delta
-
-        return open_delta(source, storage_options, version, timestamp, delta_options)
+    """The sorted Parquet files of a path, glob, URL or list (not a Delta table)."""
     if version is not None or timestamp is not None:
         raise TableError(f"version=/timestamp= need a Delta table; {source!r} is plain Parquet")
     try:
@@ -322,8 +305,91 @@ def fingerprint(table: TableFiles, units: Sequence[Unit], extra: str) -> str:
     return h.hexdigest()[:24]
 
 
+def expression(filter: Any) -> Any:
+    if filter is None:
+        return None
+    import pyarrow.compute as pc
+
+    if isinstance(filter, pc.Expression):
+        return filter
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.filters_to_expression(filter)
+    except (TypeError, ValueError) as e:
+        raise TableError(f"filter must be a pyarrow Expression or DNF tuples: {e}") from e
+
+
+class Reader:
+    """Reads a worker's pieces in order: one open file and one decoded row group at a time;
+    remote files are filled into the cache ``prefetch`` files ahead (the prefetch machinery
+    of :class:`~gangrun.data.VolumeDataset`)."""
+
+    def __init__(self, ds: Any, todo: list[Any], threads: bool) -> None:
+        self.ds = ds  # a TableDataset
+        self.todo = todo  # table_plan.Piece list
+        self.access = ds._access
+        self.threads = threads
+        uses: list[int] = []
+        for p in todo:
+            f = ds.units[p.unit][0]
+            if not uses or uses[-1] != f:
+                uses.append(f)
+        self._paths: Iterator[Any] | None = None
+        if not self.access.local and self.access.cached and uses:
+            from .prefetch import stream
+
+            entries = [ds.table.files[f] for f in uses]
+            access = self.access
+            self._paths = stream(
+                entries,
+                None,
+                None,
+                read=lambda e: (e.path, access.fetch(e)),  # type: ignore[arg-type, return-value]
+                hit=lambda e: (e.path, p) if (p := access.hit(e)) else None,  # type: ignore[arg-type, return-value]
+                decode=None,
+                prefetch=ds.prefetch,
+            )
+        self._file = -1
+        self._groups: list[Any] = []
+        self._unit = -1
+        self._table: Any = None
+
+    def read(self, piece: Any) -> pa.Table:
+        ds = self.ds
+        if piece.unit != self._unit:
+            f, g, _ = ds.units[piece.unit]
+            if f != self._file:
+                entry = ds.table.files[f]
+                if self.access.local:
+                    path: str | None = entry.path
+                elif self._paths is not None:
+                    (want, path), _ = next(self._paths)
+                    if want != entry.path:  # the reader left the planned order: a bug
+                        raise RuntimeError(f"TableDataset: read {entry.path}, planned {want}")
+                else:
+                    path = None
+                frag = fragment(self.access, entry, path, ds.table.partitions[f])
+                self._groups = frag.split_by_row_group()
+                self._file = f
+            self._table = self._groups[g].to_table(
+                schema=ds.schema, columns=ds.columns, filter=ds.filter, use_threads=self.threads
+            )
+            self._unit = piece.unit
+        return self._table.slice(piece.start, piece.length)
+
+    def close(self) -> None:
+        if self._paths is not None:
+            close = getattr(self._paths, "close", None)
+            if close is not None:
+                close()
+        self._groups, self._table = [], None
+
+
 __all__ = [
     "FileAccess",
+    "Reader",
+    "expression",
     "TableError",
     "TableFiles",
     "Unit",
@@ -332,5 +398,5 @@ __all__ = [
     "fragment",
     "is_delta_dir",
     "plan_units",
-    "resolve",
+    "parquet_files",
 ]
