@@ -5,6 +5,8 @@
 (b) Hugging Face ``datasets`` streaming them with ``split_dataset_by_node`` (2 ranks x 2
     DataLoader workers too): batches as dicts of tensors (``with_format("numpy").batch``),
     and its fastest path, Arrow batches, against TableDataset's ``output="arrow"``,
+and, for reference, 2 ranks reading without DataLoader workers (the reading cost itself,
+without the worker hand-over);
 (c) the same epoch from a loopback S3 server (moto, in its own process): cold node cache
     (emptied before each epoch) against warm.
 
@@ -57,14 +59,15 @@ def _write(root: str, rows: int, files: int) -> list[str]:
     return paths
 
 
-def _scan(paths: list[str]) -> float:
+def _scan(paths: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one process scanning the files with pyarrow.dataset."""
     import pyarrow.dataset as pds
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), table_ranks.cpu_seconds()
     n = sum(b.num_rows for b in pds.dataset(paths, format="parquet").to_batches(batch_size=BATCH))
     dt = time.perf_counter() - t
     assert n > 0
-    return dt
+    return dt, table_ranks.cpu_seconds() - c
 
 
 def _moto(port: int) -> subprocess.Popen:
@@ -87,7 +90,9 @@ def _moto(port: int) -> subprocess.Popen:
     return proc
 
 
-def _slowest(out: list[dict]) -> float:
+def _slowest(out: list[dict], cpu: dict[str, list[float]], key: str) -> float:
+    """The slower rank's epoch seconds; notes the CPU seconds of both ranks (and workers)."""
+    cpu.setdefault(key, []).append(sum(r["cpu"][-1] for r in out))
     return max(r["times"][-1] for r in out)
 
 
@@ -133,6 +138,7 @@ def run(reps: int, rows: int = 2_000_000, files: int = 8) -> dict:
                 "pyarrow_dataset_scan_1proc",
                 "gangrun_2x2_torch",
                 "gangrun_2x2_arrow",
+                "gangrun_2x0_torch",
                 "hf_streaming_2x2_torch",
                 "hf_streaming_2x2_arrow",
                 "s3_cold_2x2_torch",
@@ -140,25 +146,30 @@ def run(reps: int, rows: int = 2_000_000, files: int = 8) -> dict:
             )
         }
         setup: dict[str, float] = {}
+        cpu: dict[str, list[float]] = {}
         for _ in range(reps):
-            t["pyarrow_dataset_scan_1proc"].append(_scan(paths))
+            wall, c = _scan(paths)
+            t["pyarrow_dataset_scan_1proc"].append(wall)
+            cpu.setdefault("pyarrow_dataset_scan_1proc", []).append(c)
             out = table.distributed(local, {}, cache, WORKERS, BATCH, "torch", 1, False)
             assert sum(r["rows"] for r in out) == rows
-            t["gangrun_2x2_torch"].append(_slowest(out))
+            t["gangrun_2x2_torch"].append(_slowest(out, cpu, "gangrun_2x2_torch"))
             setup["gangrun_local"] = max(r["setup"] for r in out)
             out = table.distributed(local, {}, cache, WORKERS, BATCH, "arrow", 1, False)
-            t["gangrun_2x2_arrow"].append(_slowest(out))
+            t["gangrun_2x2_arrow"].append(_slowest(out, cpu, "gangrun_2x2_arrow"))
+            out = table.distributed(local, {}, cache, 0, BATCH, "torch", 1, False)
+            t["gangrun_2x0_torch"].append(_slowest(out, cpu, "gangrun_2x0_torch"))
             for fmt in ("numpy", "arrow"):
                 out = hf.distributed(paths, WORKERS, BATCH, 1, fmt)
                 assert sum(r["rows"] for r in out) == rows, out
                 key = "torch" if fmt == "numpy" else fmt
-                t[f"hf_streaming_2x2_{key}"].append(_slowest(out))
+                t[f"hf_streaming_2x2_{key}"].append(_slowest(out, cpu, f"hf_streaming_2x2_{key}"))
             setup["hf"] = max(r["setup"] for r in out)
             out = table.distributed(s3, opts, cache, WORKERS, BATCH, "torch", 1, True)
-            t["s3_cold_2x2_torch"].append(_slowest(out))
+            t["s3_cold_2x2_torch"].append(_slowest(out, cpu, "s3_cold_2x2_torch"))
             setup["gangrun_s3"] = max(r["setup"] for r in out)
             out = table.distributed(s3, opts, cache, WORKERS, BATCH, "torch", 1, False)
-            t["s3_warm_2x2_torch"].append(_slowest(out))
+            t["s3_warm_2x2_torch"].append(_slowest(out, cpu, "s3_warm_2x2_torch"))
         med = {k: median(v) for k, v in t.items()}
         return {
             "name": "tables",
@@ -169,10 +180,15 @@ def run(reps: int, rows: int = 2_000_000, files: int = 8) -> dict:
             "loadavg": round(os.getloadavg()[0], 1),
             "rows_per_s": {k: round(rows / v) for k, v in med.items()},
             "setup_s": {k: round(v, 3) for k, v in setup.items()},
+            # CPU seconds per epoch, all processes (ranks and their DataLoader workers)
+            "cpu_s": {k: round(median(v), 3) for k, v in cpu.items()},
             "results": {k: summary(v) for k, v in t.items()},
             "ratios": {
                 "gangrun_vs_pyarrow_dataset": ratio(
                     med["pyarrow_dataset_scan_1proc"], med["gangrun_2x2_torch"]
+                ),
+                "gangrun_2x0_vs_pyarrow_dataset": ratio(
+                    med["pyarrow_dataset_scan_1proc"], med["gangrun_2x0_torch"]
                 ),
                 "gangrun_arrow_vs_pyarrow_dataset": ratio(
                     med["pyarrow_dataset_scan_1proc"], med["gangrun_2x2_arrow"]
@@ -184,6 +200,9 @@ def run(reps: int, rows: int = 2_000_000, files: int = 8) -> dict:
                     med["hf_streaming_2x2_arrow"], med["gangrun_2x2_arrow"]
                 ),
                 "s3_warm_vs_cold": ratio(med["s3_cold_2x2_torch"], med["s3_warm_2x2_torch"]),
+                "cpu_gangrun_2x2_over_pyarrow_dataset": ratio(
+                    median(cpu["gangrun_2x2_torch"]), median(cpu["pyarrow_dataset_scan_1proc"])
+                ),
             },
         }
     finally:

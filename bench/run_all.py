@@ -21,7 +21,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 OUT = os.path.join(BENCH, "out")
 DOCS = os.path.join(ROOT, "docs")
-ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook"]
+ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook", "tables"]
 
 # (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
 TARGETS = [
@@ -38,6 +38,9 @@ TARGETS = [
     ("gang", "ipyparallel_vs_gang", "ipyparallel execute / warm gang execute", None, "ge"),
     ("notebook", "panel_on_vs_off", "warm relaunch in a kernel: panel on / off", None, "le"),
     ("notebook", "first_vs_warm", "first call 3 s after decorating / warm relaunch", None, "le"),
+    ("tables", "gangrun_vs_pyarrow_dataset", "2x2 table epoch rows/s / pyarrow.dataset", 0.9, "ge"),
+    ("tables", "gangrun_vs_hf_streaming", "2x2 table epoch rows/s / HF datasets", None, "ge"),
+    ("tables", "s3_warm_vs_cold", "table epoch from S3: warm / cold cache", None, "ge"),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
 
@@ -259,6 +262,10 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "8. **notebook**: in a real kernel (`jupyter_client`): a warm relaunch with the live panel",
         "   on and off; the first call made 3 s after decorating (fork server prewarmed in the",
         "   background) and a cold first call, next to the warm relaunch.",
+        "9. **tables**: rows/s of a 2-rank x 2-worker `TableDataset` epoch over 8 Parquet files",
+        "   (2M rows), timed in the ranks, against one process scanning them with",
+        "   `pyarrow.dataset`, HF `datasets` streaming them with `split_dataset_by_node` (2x2",
+        "   too), and the same epoch from loopback S3 (moto) with a cold and a warm cache.",
         "",
     ]
     return "\n".join(out)

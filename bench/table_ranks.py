@@ -16,6 +16,15 @@ def _dist() -> Any:
     return dist
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (DataLoader workers)."""
+    import resource
+
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    b = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
 def _count(loader: Any, lists: bool = False) -> int:
     """Rows of an epoch; ``lists``: Hugging Face's Arrow batches (one row of list columns)."""
     n = 0
@@ -50,7 +59,9 @@ def table_epochs(
         source, storage_options=opts, cache_dir=cache_dir, batch_size=batch_size, output=output
     )
     setup = time.perf_counter() - t
-    times, rows = [], 0
+    times: list[float] = []
+    cpu: list[float] = []
+    rows = 0
     for epoch in range(epochs):
         dist.barrier()
         if cold and dist.get_rank() == 0:
@@ -58,12 +69,15 @@ def table_epochs(
             os.sync()
         dist.barrier()
         ds.set_epoch(epoch)
-        t = time.perf_counter()
-        rows = _count(ds.loader(num_workers=workers))
+        t, c = time.perf_counter(), cpu_seconds()
+        loader = ds.loader(num_workers=workers)
+        rows = _count(loader)
+        del loader  # workers joined: their CPU time is counted
         times.append(time.perf_counter() - t)
+        cpu.append(cpu_seconds() - c)
     dist.barrier()
     dist.destroy_process_group()
-    return {"times": times, "rows": rows, "setup": setup}
+    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}
 
 
 def hf_epochs(
@@ -82,16 +96,20 @@ def hf_epochs(
     ds = load_dataset("parquet", data_files=files, streaming=True, split="train")
     ds = split_dataset_by_node(ds, rank=dist.get_rank(), world_size=dist.get_world_size())
     setup = time.perf_counter() - t
-    times, rows = [], 0
+    times: list[float] = []
+    cpu: list[float] = []
+    rows = 0
     for epoch in range(epochs):
         dist.barrier()
         ds.set_epoch(epoch)
         loader = torch.utils.data.DataLoader(
             ds.with_format(fmt).batch(batch_size), batch_size=None, num_workers=workers
         )
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_seconds()
         rows = _count(loader, lists=fmt == "arrow")
+        del loader
         times.append(time.perf_counter() - t)
+        cpu.append(cpu_seconds() - c)
     dist.barrier()
     dist.destroy_process_group()
-    return {"times": times, "rows": rows, "setup": setup}
+    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}
