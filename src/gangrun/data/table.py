@@ -16,13 +16,21 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
 from .loader import VolumeLoader
-from .table_convert import OUTPUTS, as_record_batch, convert, unwire
+from .table_convert import (
+    CHUNK_BATCHES,
+    CHUNK_BYTES,
+    OUTPUTS,
+    WireChunk,
+    as_record_batch,
+    convert,
+    to_wire,
+)
 from .table_delta import resolve
 from .table_source import (
     FileAccess,
@@ -221,30 +229,53 @@ class TableDataset(IterableDataset):
     def _batches(
         self, wpos: int, wrows: int, done: Sequence[int] | None, wire: bool = False
     ) -> Iterator[tuple[Any, Any]]:
-        """``(batch, (batches done, rows done))`` of one worker run, from progress ``done``."""
-        nb, nr = (list(done) + [0, 0])[:2] if done else (0, 0)
+        """``(batch, (batches done, rows done))`` of one worker run, from progress ``done``;
+        ``wire`` (in a worker of :class:`TableLoader`): ``(WireChunk, progress after it)``
+        items of several batches each instead."""
+        import pyarrow as pa
         from torch.utils.data import get_worker_info
 
+        nb, nr = (list(done) + [0, 0])[:2] if done else (0, 0)
         in_worker = get_worker_info() is not None
-        wire = wire and in_worker  # TableLoader's workers hand plain arrays over
-        order = self.unit_order()
+        wire = wire and in_worker
         bs = self.batch_size
         buf: list[pa.Table] = []
         have = 0
+        group: list[pa.Table] = []  # wire: batches not handed over yet
+        group_bytes = 0
+        start = (nb, nr)
 
         def emit() -> tuple[Any, Any]:
             nonlocal nb, nr, buf, have
-            import pyarrow as pa
-
             table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
             buf, have = [], 0
-            out = convert(as_record_batch(table), self.output, in_worker, wire)
+            out = convert(as_record_batch(table), self.output, in_worker)
             if self.transform is not None:
                 out = self.transform(out)
             nb, nr = nb + 1, nr + table.num_rows
             return out, (nb, nr)
 
-        for chunk in self._chunks(order, wpos, wrows, nr):
+        def flush() -> tuple[Any, Any]:
+            nonlocal group, group_bytes, start
+            rows = pa.concat_tables(group) if len(group) > 1 else group[0]
+            chunk = to_wire(as_record_batch(rows), [t.num_rows for t in group], start)
+            group, group_bytes, start = [], 0, (nb, nr)
+            return chunk, (nb, nr)
+
+        def add() -> Iterator[tuple[Any, Any]]:
+            nonlocal nb, nr, buf, have, group_bytes
+            if not wire:
+                yield emit()
+                return
+            table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
+            buf, have = [], 0
+            group.append(table)
+            group_bytes += table.nbytes
+            nb, nr = nb + 1, nr + table.num_rows
+            if group_bytes >= CHUNK_BYTES or len(group) >= CHUNK_BATCHES:
+                yield flush()
+
+        for chunk in self._chunks(self.unit_order(), wpos, wrows, nr):
             off = 0
             while off < chunk.num_rows:
                 take = min(bs - have, chunk.num_rows - off)
@@ -252,9 +283,11 @@ class TableDataset(IterableDataset):
                 have += take
                 off += take
                 if have == bs:
-                    yield emit()
+                    yield from add()
         if have:
-            yield emit()
+            yield from add()
+        if group:
+            yield flush()
 
     def _iterate(
         self, start: dict[str, Any] | None, tagged: bool, wire: bool = False
@@ -410,8 +443,9 @@ class _WireView:
 
 class TableLoader(VolumeLoader):
     """The loader of :meth:`TableDataset.loader`: a :class:`~gangrun.data.VolumeLoader` whose
-    workers hand small batches over as plain arrays (one pickled copy through the pipe, which
-    costs less than a shared memory segment per batch), made tensors here without a copy."""
+    workers hand batches over in chunks of several (``output="torch"`` without a
+    ``transform``): the hand-over costs about the same per item whatever its size. Each
+    batch of a chunk is handed to the training loop, and its progress recorded, in turn."""
 
     def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
         self.table = dataset
@@ -420,8 +454,18 @@ class TableLoader(VolumeLoader):
         super().__init__(view, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        for batch in super().__iter__():
-            yield unwire(batch)
+        ds = self.volume
+        start = ds.resume_position()
+        self._view.start = start
+        ds.start_progress(max(1, int(self.num_workers)), start)
+        for item, (wid, progress) in DataLoader.__iter__(self):
+            if isinstance(item, WireChunk):
+                for batch, done in item.batches():
+                    ds.record_progress(wid, done)
+                    yield batch
+            else:
+                ds.record_progress(wid, progress)
+                yield item
 
 
 __all__ = ["TableDataset", "TableError", "TableLoader"]

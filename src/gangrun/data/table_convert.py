@@ -10,6 +10,7 @@ binary, nested lists, structs) become Python lists.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -125,33 +126,58 @@ def as_record_batch(table: pa.Table) -> pa.RecordBatch:
     return batches[0]
 
 
-#: below this many bytes a worker's batch travels pickled through the DataLoader's pipe (one
-#: copy, no shared memory segment to create and pass); above, in one shared memory block.
+#: A DataLoader worker hands batches over in chunks of about this many bytes (or
+#: ``CHUNK_BATCHES`` batches): the hand-over costs about the same per item whatever its size.
+CHUNK_BYTES = 4 << 20
+CHUNK_BATCHES = 32
+#: below this many bytes a chunk travels pickled through the DataLoader's pipe (one copy, no
+#: shared memory segment to create and pass); above, in one shared memory block.
 PIPE_BYTES = 2 << 20
 
 
-class WireBatch(dict):  # type: ignore[type-arg]
-    """A DataLoader worker's batch on its way to the training process: numpy arrays (and
-    lists), made tensors there by :func:`unwire` without another copy."""
+class WireChunk:
+    """Consecutive batches of one DataLoader worker on their way to the training process:
+    the columns of all of them (numpy arrays, tensors in one shared block, or lists), the
+    batch sizes, and the worker's progress before the first one."""
+
+    __slots__ = ("arrays", "sizes", "start")
+
+    def __init__(self, arrays: dict[str, Any], sizes: list[int], start: tuple[int, int]):
+        self.arrays = arrays
+        self.sizes = sizes
+        self.start = start
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self.arrays, self.sizes, self.start
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.arrays, self.sizes, self.start = state
+
+    def batches(self) -> Iterator[tuple[dict[str, Any], tuple[int, int]]]:
+        """``(batch of tensors, worker progress after it)``, in order (views, no copy)."""
+        import numpy as np
+        import torch
+
+        cols = {
+            k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+            for k, v in self.arrays.items()
+        }
+        nb, nr = self.start
+        off = 0
+        for size in self.sizes:
+            nb, nr = nb + 1, nr + size
+            yield {k: v[off : off + size] for k, v in cols.items()}, (nb, nr)
+            off += size
 
 
-def unwire(batch: Any) -> Any:
-    """Tensors of a :class:`WireBatch` (zero-copy over the received arrays); others as is."""
-    if type(batch) is not WireBatch:
-        return batch
-    import torch
-
-    return {k: v if isinstance(v, list) else torch.from_numpy(v) for k, v in batch.items()}
-
-
-def to_wire(batch: pa.RecordBatch) -> Any:
-    """What a worker hands over for ``output="torch"``: a :class:`WireBatch` for a small
-    batch, tensors in one shared memory block for a large one."""
+def to_wire(batch: pa.RecordBatch, sizes: list[int], start: tuple[int, int]) -> WireChunk:
+    """A worker's chunk of batches (``batch``: their rows, end to end) for ``output="torch"``:
+    plain arrays for a small chunk, tensors in one shared memory block for a large one."""
     arrays = {n: column_array(c) for n, c in zip(batch.schema.names, batch.columns, strict=True)}
     size = sum(a.nbytes for a in arrays.values() if not isinstance(a, list))
     if size >= PIPE_BYTES:
-        return _tensors(arrays, pack=True)
-    return WireBatch(arrays)
+        arrays = _tensors(arrays, pack=True)
+    return WireChunk(arrays, sizes, start)
 
 
 def compact(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -164,18 +190,15 @@ def compact(batch: pa.RecordBatch) -> pa.RecordBatch:
 OUTPUTS = {"torch": to_torch, "numpy": to_numpy, "arrow": None, "pandas": None}
 
 
-def convert(batch: pa.RecordBatch, output: str, pickled: bool = False, wire: bool = False) -> Any:
+def convert(batch: pa.RecordBatch, output: str, pickled: bool = False) -> Any:
     """``batch`` as ``output``: ``"torch"``, ``"numpy"``, ``"arrow"`` or ``"pandas"``
-    (``pickled``: it will be pickled, to another process; ``wire``: and made tensors there,
-    by :func:`unwire`)."""
+    (``pickled``: it will be pickled, to another process)."""
     if output == "arrow":
         return compact(batch) if pickled else batch
     if output == "pandas":
         return batch.to_pandas()
     if output == "numpy":
         return to_numpy(batch)
-    if wire:
-        return to_wire(batch)
     return to_torch(batch, pack=pickled)
 
 
@@ -189,6 +212,5 @@ __all__ = [
     "to_numpy",
     "to_torch",
     "to_wire",
-    "unwire",
-    "WireBatch",
+    "WireChunk",
 ]
