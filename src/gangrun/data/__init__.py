@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from .dataset import VolumeDataset
     from .listing import FileEntry
     from .loader import VolumeLoader
-    from .table import TableDataset
+    from .table import TableDataset, TableLoader
     from .table_source import TableError
 
 _WHERE = {
@@ -71,6 +71,7 @@ _WHERE = {
     "parse_size": "cache",
     "FileEntry": "listing",
     "TableDataset": "table",
+    "TableLoader": "table",
     "TableError": "table_source",
 }
 
@@ -79,6 +80,7 @@ __all__ = [
     "VolumeLoader",
     "TableDataset",
     "TableError",
+    "TableLoader",
     "FileCache",
     "FileEntry",
     "default_cache_dir",
