@@ -33,6 +33,10 @@ def _ids(loader: Any, limit: int | None = None) -> list[list[int]]:
     return out
 
 
+def _flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
 def epochs(source: str, opts: dict, cache_dir: str, workers: list[int]) -> dict[str, Any]:
     """For each worker count: the batches (ids) of epochs 0 and 1, and a resume of epoch 1
     after 5 batches (state_dict through JSON, into a fresh dataset)."""
@@ -52,6 +56,9 @@ def epochs(source: str, opts: dict, cache_dir: str, workers: list[int]) -> dict[
         got["rest"] = _ids(again.loader(num_workers=nw))
         out[str(nw)] = got
         out["keys"] = sorted(ds._access.key(e) for e in ds.table.files)  # its cache entries
+    if out and ds.table.kind == "delta":  # time travel: the first version, without `extra`
+        v0 = _dataset(source, opts, cache_dir, version=0)
+        out["v0"] = sorted(_flat(_ids(v0.loader(num_workers=2))))
     return out
 
 

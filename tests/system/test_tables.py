@@ -44,16 +44,16 @@ def s3():
 
 
 def _table(kind, where, s3, tmp_path):
-    """(source, fsspec options, every id) of a fresh table."""
+    """(source, fsspec options, every id, ids of Delta version 0) of a fresh table."""
     if where == "s3":
         endpoint, opts = s3
         root = f"s3://tables/{tmp_path.name}-{kind}"
     else:
         endpoint, opts, root = None, {}, str(tmp_path / kind)
     if kind == "parquet":
-        return root, opts, tw.write_parquet(root, opts)
-    _, ids = tw.write_delta(root, endpoint)
-    return root, opts, ids
+        return root, opts, tw.write_parquet(root, opts), None
+    ids0, ids = tw.write_delta(root, endpoint)
+    return root, opts, ids, ids0
 
 
 def _gang(fn):
@@ -68,7 +68,7 @@ def _flat(batches):
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("kind", ["parquet", "delta"])
 def test_two_ranks_every_row_once_per_epoch(s3, tmp_path, kind, where):
-    source, opts, ids = _table(kind, where, s3, tmp_path)
+    source, opts, ids, ids0 = _table(kind, where, s3, tmp_path)
     out = _gang(tablefns.epochs).distributed(source, opts, str(tmp_path / "cache"), [0, 2, 3])
     r0, r1 = sorted(out, key=lambda r: r["rank"])
     for nw in ("0", "2", "3"):
@@ -90,6 +90,8 @@ def test_two_ranks_every_row_once_per_epoch(s3, tmp_path, kind, where):
             assert sorted(head + rest) == sorted(_flat(r["e1"]))
         if nw == "0":  # without workers the order is the uninterrupted epoch's
             assert _flat(a["head"]) + _flat(a["rest"]) == _flat(a["e1"])
+    if kind == "delta":  # version 0, read by both ranks: every row of it once
+        assert sorted(r0["v0"] + r1["v0"]) == sorted(ids0)
     # the same order whatever the worker count
     assert sorted(_flat(r0["0"]["e0"])) == sorted(_flat(r0["3"]["e0"]))
     if where == "s3":  # both ranks and all workers filled one node cache: one entry per file
@@ -100,7 +102,7 @@ def test_two_ranks_every_row_once_per_epoch(s3, tmp_path, kind, where):
 
 @pytest.mark.slow
 def test_resume_after_restart_through_checkpoint(s3, tmp_path):
-    source, opts, ids = _table("delta", "s3", s3, tmp_path)
+    source, opts, ids, _ = _table("delta", "s3", s3, tmp_path)
     root = str(tmp_path / "ckpt")
     cache = str(tmp_path / "cache")
     train = _gang(tablefns.train_part)
