@@ -371,3 +371,34 @@ def test_import_gangrun_data_imports_no_arrow():
     t = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert time.monotonic() - t < 60
+
+
+def test_cache_get_file_streams_to_disk_once_and_refills_after_eviction(tmp_path):
+    from gangrun.data import FileCache
+    from gangrun.data.listing import FileEntry
+    from gangrun.data.table_source import FileAccess
+
+    cache = FileCache(tmp_path / "c", limit=10**6)
+    calls = []
+
+    def write(tmp):
+        calls.append(tmp)
+        with open(tmp, "wb") as f:
+            f.write(b"x" * 100)
+
+    path = cache.get_file("k", write)
+    assert cache.get_file("k", write) == path and len(calls) == 1
+    assert os.path.getsize(path) == 100 and cache.stats()["bytes"] == 100
+    assert not [n for n in os.listdir(tmp_path / "c" / "data") if ".tmp-" in n]
+    # A cached copy evicted between the fill and the open is fetched again.
+    root = f"memory://{uuid.uuid4().hex}"
+    tw.write_parquet(root)
+    access = FileAccess("memory", {}, True, str(tmp_path / "c2"), None)
+    import fsspec
+
+    info = fsspec.filesystem("memory").info(root.replace("memory://", "/") + "/part-001.parquet")
+    entry = FileEntry(info["name"], int(info["size"]), "v")
+    local = access.fetch(entry)
+    os.unlink(local)
+    src, fs = access.open(entry, local)
+    assert fs is None and pq.read_metadata(src).num_rows == 700
