@@ -402,3 +402,19 @@ def test_cache_get_file_streams_to_disk_once_and_refills_after_eviction(tmp_path
     os.unlink(local)
     src, fs = access.open(entry, local)
     assert fs is None and pq.read_metadata(src).num_rows == 700
+
+
+def _collate_tensors(batch):
+    import torch
+
+    assert isinstance(batch["id"], torch.Tensor), type(batch)  # not the workers' hand-over
+    return batch
+
+
+def test_loader_collate_fn_and_pin_memory_see_tensor_batches(tmp_path):
+    root = str(tmp_path / "pq")
+    tw.write_parquet(root)
+    ds = TableDataset(root, columns=["id"], batch_size=1000)
+    got = _ids(ds.loader(num_workers=2, collate_fn=_collate_tensors))  # runs in the workers
+    assert sorted(got) == list(range(tw.PARQUET_ROWS))
+    assert sorted(_ids(ds.loader(num_workers=2, pin_memory=True))) == sorted(got)

@@ -449,8 +449,13 @@ class TableLoader(VolumeLoader):
 
     def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
         self.table = dataset
-        wire = dataset.output == "torch" and dataset.transform is None
-        view: Any = _WireView(dataset) if wire and not kwargs.get("pin_memory") else dataset
+        wire = (
+            dataset.output == "torch"
+            and dataset.transform is None
+            and kwargs.get("collate_fn") in (None, _identity)  # a collate_fn sees batches
+            and not kwargs.get("pin_memory")  # pinned: the DataLoader pins tensors
+        )
+        view: Any = _WireView(dataset) if wire else dataset
         super().__init__(view, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
