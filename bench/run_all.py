@@ -21,7 +21,18 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 OUT = os.path.join(BENCH, "out")
 DOCS = os.path.join(ROOT, "docs")
-ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook", "watch"]
+ORDER = [
+    "relaunch",
+    "failure",
+    "ddp",
+    "transfer",
+    "output",
+    "parent",
+    "gang",
+    "notebook",
+    "watch",
+    "tables",
+]
 
 # (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
 TARGETS = [
@@ -46,6 +57,9 @@ TARGETS = [
         "le",
     ),
     ("watch", "loop_report_vs_none", "10k-step loop: report_step every step / none", 1.01, "le"),
+    ("tables", "gangrun_vs_pyarrow_dataset", "2x2 table epoch rows/s / pyarrow.dataset", 0.9, "ge"),
+    ("tables", "gangrun_vs_hf_streaming", "2x2 table epoch rows/s / HF datasets", None, "ge"),
+    ("tables", "s3_warm_vs_cold", "table epoch from S3: warm / cold cache", None, "ge"),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
 
@@ -268,6 +282,10 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "   on and off; the first call made 3 s after decorating (fork server prewarmed, and the",
         "   modules a call needs imported, in the background; `BENCH_FIRST_WAIT_S` changes the",
         "   pause) and a cold first call, next to the warm relaunch.",
+        "10. **tables**: rows/s of a 2-rank x 2-worker `TableDataset` epoch over 8 Parquet files",
+        "    (2M rows), timed in the ranks, against one process scanning them with",
+        "    `pyarrow.dataset`, HF `datasets` streaming them with `split_dataset_by_node` (2x2",
+        "    too), and the same epoch from loopback S3 (moto) with a cold and a warm cache.",
         "",
     ]
     return "\n".join(out)

@@ -39,7 +39,11 @@ Modules (every one importable on its own; only ``dataset`` and ``loader`` import
 - ``cache``: `FileCache`, the node-local cache of remote files;
 - ``prefetch``: reading a worker's files in order with misses fetched ahead;
 - ``dataset``: [`VolumeDataset`][gangrun.data.VolumeDataset];
-- ``loader``: `VolumeLoader`.
+- ``loader``: `VolumeLoader`;
+- ``table``: `TableDataset`, batches of a Parquet or Delta Lake table (SPEC section 11),
+  built from ``table_plan`` (the split arithmetic, pure), ``table_source`` (files, schema, row
+  groups; pyarrow), ``table_delta`` (Delta snapshots; deltalake) and ``table_convert`` (Arrow
+  to tensors). pyarrow and deltalake are imported only by these modules.
 
 The names below are loaded on first use, so ``import gangrun.data.sharding`` does not import
 torch.
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
     from .dataset import VolumeDataset
     from .listing import FileEntry
     from .loader import VolumeLoader
+    from .table import TableDataset, TableLoader
+    from .table_source import TableError
 
 _WHERE = {
     "VolumeDataset": "dataset",
@@ -64,9 +70,21 @@ _WHERE = {
     "default_cache_dir": "cache",
     "parse_size": "cache",
     "FileEntry": "listing",
+    "TableDataset": "table",
+    "TableLoader": "table",
+    "TableError": "table_source",
 }
 
-__all__ = ["VolumeDataset", "VolumeLoader", "FileCache", "FileEntry", "default_cache_dir"]
+__all__ = [
+    "VolumeDataset",
+    "VolumeLoader",
+    "TableDataset",
+    "TableError",
+    "TableLoader",
+    "FileCache",
+    "FileEntry",
+    "default_cache_dir",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -162,30 +162,62 @@ class FileCache:
                 self._store(key, data)
         return data
 
+    def get_file(self, key: str, write: Callable[[str], None]) -> str:
+        """The path of entry ``key`` on local disk, calling ``write(tmp_path)`` (once per node)
+        to fill it: the file is streamed to disk, never held in memory. Open the path at once
+        (an open file survives a later eviction; a missing path means: call again)."""
+        final = self.path(key)
+        if os.path.exists(final):
+            self.hits += 1
+            now = time.monotonic()
+            if now - self._touched.get(key, -3600.0) > 30:  # the LRU clock, 30 s resolution
+                with contextlib.suppress(OSError):
+                    os.utime(final)
+                self._touched[key] = now
+            return final
+        with self._key_lock(key):
+            if os.path.exists(final):  # another rank/worker filled it while we waited
+                self.hits += 1
+                return final
+            tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                write(tmp)
+                self.misses += 1
+                self._commit(tmp, final, os.path.getsize(tmp))
+            finally:
+                with contextlib.suppress(FileNotFoundError):  # renamed into place: nothing left
+                    os.unlink(tmp)
+        return final
+
     def _store(self, key: str, data: bytes) -> None:
         final = self.path(key)
         tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             with open(tmp, "wb", buffering=0) as f:
                 f.write(data)
-            # The global lock file doubles as the ledger: total bytes cached, as text.
-            fd = os.open(os.path.join(self._locks, "ledger"), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                raw = os.pread(fd, 32, 0).strip()
-                total = int(raw) if raw.isdigit() else None
-                if total is None or total + len(data) > self.limit:
-                    total = self._make_room(len(data), exclude=final)
-                existed = os.path.exists(final)
-                os.replace(tmp, final)
-                if not existed:
-                    total += len(data)
-                os.pwrite(fd, str(total).ljust(32).encode(), 0)
-            finally:
-                os.close(fd)
+            self._commit(tmp, final, len(data))
         finally:
             with contextlib.suppress(FileNotFoundError):  # renamed into place: nothing left
                 os.unlink(tmp)
+
+    def _commit(self, tmp: str, final: str, nbytes: int) -> None:
+        """Rename the written ``tmp`` into place as ``final``, evicting first if it would push
+        the ledger over the limit."""
+        # The global lock file doubles as the ledger: total bytes cached, as text.
+        fd = os.open(os.path.join(self._locks, "ledger"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 32, 0).strip()
+            total = int(raw) if raw.isdigit() else None
+            if total is None or total + nbytes > self.limit:
+                total = self._make_room(nbytes, exclude=final)
+            existed = os.path.exists(final)
+            os.replace(tmp, final)
+            if not existed:
+                total += nbytes
+            os.pwrite(fd, str(total).ljust(32).encode(), 0)
+        finally:
+            os.close(fd)
 
     def _entries(self) -> Iterator[tuple[str, int, float]]:
         now = time.time()

@@ -1,0 +1,115 @@
+"""Rank functions of bench_tables.py (importable by reference inside ranks)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (DataLoader workers)."""
+    import resource
+
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    b = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def _count(loader: Any, lists: bool = False) -> int:
+    """Rows of an epoch; ``lists``: Hugging Face's Arrow batches (one row of list columns)."""
+    n = 0
+    if lists:
+        import pyarrow.compute as pc
+
+        for batch in loader:
+            n += pc.sum(pc.list_value_length(batch.column("id"))).as_py()
+        return n
+    for batch in loader:
+        n += batch.num_rows if hasattr(batch, "num_rows") else len(batch["id"])
+    return n
+
+
+def table_epochs(
+    source: str,
+    opts: dict,
+    cache_dir: str,
+    workers: int,
+    batch_size: int,
+    output: str,
+    epochs: int,
+    cold: bool,
+) -> dict[str, Any]:
+    """Seconds of each TableDataset epoch on this rank (ranks start each epoch together;
+    ``cold``: rank 0 empties the node cache before every epoch)."""
+    from gangrun.data import TableDataset
+
+    dist = _dist()
+    t = time.perf_counter()
+    ds = TableDataset(
+        source, storage_options=opts, cache_dir=cache_dir, batch_size=batch_size, output=output
+    )
+    setup = time.perf_counter() - t
+    times: list[float] = []
+    cpu: list[float] = []
+    rows = 0
+    for epoch in range(epochs):
+        dist.barrier()
+        if cold and dist.get_rank() == 0:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            os.sync()
+        dist.barrier()
+        ds.set_epoch(epoch)
+        t, c = time.perf_counter(), cpu_seconds()
+        loader = ds.loader(num_workers=workers)
+        rows = _count(loader)
+        del loader  # workers joined: their CPU time is counted
+        times.append(time.perf_counter() - t)
+        cpu.append(cpu_seconds() - c)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}
+
+
+def hf_epochs(
+    files: list[str], workers: int, batch_size: int, epochs: int, fmt: str
+) -> dict[str, Any]:
+    """The same with Hugging Face ``datasets`` streaming the files, ``split_dataset_by_node``,
+    ``.with_format(fmt).batch(batch_size)`` through a DataLoader with ``workers`` workers
+    (``fmt="numpy"``: batches become dicts of tensors, as TableDataset's; ``"arrow"``: its
+    fastest path, each batch one Arrow row of list columns)."""
+    import torch
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    dist = _dist()
+    t = time.perf_counter()
+    ds = load_dataset("parquet", data_files=files, streaming=True, split="train")
+    ds = split_dataset_by_node(ds, rank=dist.get_rank(), world_size=dist.get_world_size())
+    setup = time.perf_counter() - t
+    times: list[float] = []
+    cpu: list[float] = []
+    rows = 0
+    for epoch in range(epochs):
+        dist.barrier()
+        ds.set_epoch(epoch)
+        loader = torch.utils.data.DataLoader(
+            ds.with_format(fmt).batch(batch_size), batch_size=None, num_workers=workers
+        )
+        t, c = time.perf_counter(), cpu_seconds()
+        rows = _count(loader, lists=fmt == "arrow")
+        del loader
+        times.append(time.perf_counter() - t)
+        cpu.append(cpu_seconds() - c)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}

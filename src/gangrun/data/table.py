@@ -1,0 +1,476 @@
+"""`TableDataset`: batches of a Parquet or Delta Lake table, split exactly across ranks
+and DataLoader workers, shuffled per epoch, streamed through the node's cache, resumable.
+
+The split arithmetic is `table_plan` (pure); what the table is made of and how a row
+group is read is `table_source` (and `table_delta` for Delta snapshots); turning
+Arrow batches into tensors is `table_convert`. The resume API is the one
+[`VolumeDataset`][gangrun.data.VolumeDataset] has, so `VolumeLoader` and
+``gangrun.checkpoint`` treat both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from . import table_plan as plan
+from .cache import parse_size
+from .listing import LOCAL_PROTOCOLS
+from .loader import VolumeLoader
+from .table_convert import (
+    CHUNK_BATCHES,
+    CHUNK_BYTES,
+    OUTPUTS,
+    WireChunk,
+    as_record_batch,
+    convert,
+    to_wire,
+)
+from .table_delta import resolve
+from .table_source import (
+    FileAccess,
+    Reader,
+    TableError,
+    expression,
+    fingerprint,
+    plan_units,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class TableDataset(IterableDataset):
+    """An iterable dataset of batches of a Parquet or Delta Lake table.
+
+    Args:
+        source: a Parquet file, a directory of them, a glob, a list of files, or a Delta
+            table's directory; a local path or any fsspec URL (``s3://``, ``gs://``, ...).
+        format: ``"auto"`` (default: Delta when the directory has a ``_delta_log``),
+            ``"parquet"`` or ``"delta"``.
+        columns: the columns to read (default all); only these are read from storage.
+        filter: a row filter, pushed down to the Parquet reader: a
+            ``pyarrow.compute.Expression`` (``pc.field("x") > 0``) or DNF tuples
+            (``[("x", ">", 0)]``). The rows that pass are counted when the dataset is made
+            (reading only the filter's columns), so the split stays exact.
+        batch_size: rows per batch (the dataset batches; its loader passes batches through).
+        drop_last: drop each rank's last, short batch (all ranks alike).
+        uneven: ``"pad"`` (default: every rank reads ``ceil(N / world)`` rows; the last
+            ranks' shares wrap around to the start of the epoch, so at most ``world - 1``
+            rows are read twice and none is skipped) or ``"drop"`` (every rank reads
+            ``N // world`` rows; the last ``N % world`` rows of the epoch's order are skipped).
+        shuffle: shuffle every epoch: the row groups' order, then rows within blocks of
+            ``shuffle_buffer`` rows (a bounded buffer); reproducible from ``seed`` and the
+            epoch, different per epoch.
+        seed: seed of the shuffle.
+        shuffle_buffer: rows per shuffle block (memory: about one block per worker).
+        output: ``"torch"`` (default: dict of column -> tensor, zero-copy where Arrow's layout
+            allows, lists for strings and nested types), ``"numpy"``, ``"arrow"`` (a
+            ``pyarrow.RecordBatch``) or ``"pandas"``.
+        transform: applied to every batch, after ``output``.
+        version, timestamp: Delta time travel (a version number, or a ``datetime`` / ISO
+            string: the version current then).
+        cache, cache_dir, cache_limit: the node's cache of remote files, as for
+            [`VolumeDataset`][gangrun.data.VolumeDataset] (files are streamed to disk, not memory).
+        prefetch: remote files filled into the cache ahead of the reader (default 2).
+        use_threads: pyarrow decoding threads (default: in the training process only, not in
+            DataLoader workers, which are parallel already).
+        rank, world_size: override ``RANK``/``WORLD_SIZE`` (otherwise from the environment;
+            one set without the other is an error).
+        storage_options: fsspec options (e.g. ``{"endpoint_url": ..., "key": ..., ...}``);
+            for Delta they are translated for ``deltalake``; ``delta_storage_options`` adds
+            or overrides ``deltalake`` options.
+
+    Raises ``TableError`` (a ``ValueError``) when the dataset is made: missing column, files
+    with different schemas, an empty table, a Delta version that does not exist, a path that
+    is not a table, a Delta feature it cannot read correctly.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        format: Literal["auto", "parquet", "delta"] = "auto",
+        columns: Sequence[str] | None = None,
+        filter: Any = None,
+        batch_size: int = 1024,
+        drop_last: bool = False,
+        uneven: Literal["pad", "drop"] = "pad",
+        shuffle: bool = False,
+        seed: int = 0,
+        shuffle_buffer: int = 65536,
+        output: Literal["torch", "numpy", "arrow", "pandas"] = "torch",
+        transform: Callable[[Any], Any] | None = None,
+        version: int | None = None,
+        timestamp: Any = None,
+        cache: bool | Literal["auto"] = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        prefetch: int | None = None,
+        use_threads: bool | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        delta_storage_options: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        if uneven not in ("pad", "drop"):
+            raise ValueError(f"uneven must be 'pad' or 'drop', got {uneven!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {', '.join(OUTPUTS)}, got {output!r}")
+        if int(batch_size) < 1 or int(shuffle_buffer) < 1:
+            raise ValueError("batch_size and shuffle_buffer must be >= 1")
+        self._rank, self._world_size = rank, world_size
+        plan.env_rank_world(rank, world_size)  # RANK without WORLD_SIZE: an error now
+        self.source = source
+        self.batch_size = int(batch_size)
+        self.drop_last = bool(drop_last)
+        self.uneven = uneven
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.output = output
+        self.transform = transform
+        self.use_threads = use_threads
+        self.storage_options = dict(storage_options or {})
+        self.filter = expression(filter)
+        self.table = resolve(
+            source, format, self.storage_options, version, timestamp, delta_storage_options
+        )
+        remote = self.table.protocol not in LOCAL_PROTOCOLS
+        cached = remote if cache == "auto" else bool(cache)
+        self.prefetch = 2 if prefetch is None else int(prefetch)
+        self._access = FileAccess(
+            self.table.protocol,
+            self.storage_options,
+            cached,
+            os.fspath(cache_dir) if cache_dir is not None else None,
+            parse_size(cache_limit),
+        )
+        self.schema, self.columns, self.units = plan_units(
+            self.table, self._access, columns, self.filter
+        )
+        self.rows = sum(n for _, _, n in self.units)
+        self.fingerprint = fingerprint(self.table, self.units, f"{self.filter}")
+        self._unit_rows = [n for _, _, n in self.units]
+        self._epoch = 0
+        self._resume: dict[str, Any] | None = None
+        self._live: dict[str, Any] | None = None
+
+    # -- the split -----------------------------------------------------------------------------
+
+    def rank_world(self) -> tuple[int, int]:
+        """``(rank, world_size)`` this dataset splits for (arguments, else the environment)."""
+        return plan.env_rank_world(self._rank, self._world_size)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order; a different epoch than the restored one starts afresh."""
+        epoch = int(epoch)
+        if epoch != self._epoch:
+            self._resume = None
+            self._live = None
+        self._epoch = epoch
+
+    def layout(self, rank: int | None = None) -> plan.Layout:
+        """Rank ``rank``'s share of the epoch (first position, rows, batches)."""
+        r, world = self.rank_world()
+        r = r if rank is None else rank
+        return plan.rank_layout(self.rows, r, world, self.batch_size, self.uneven, self.drop_last)
+
+    def __len__(self) -> int:
+        """Batches per rank and epoch (the same on every rank)."""
+        return self.layout().batches
+
+    def unit_order(self, epoch: int | None = None) -> list[int]:
+        """The order of the row groups in ``epoch`` (the same on every rank)."""
+        e = self._epoch if epoch is None else epoch
+        return plan.unit_order(len(self.units), self.shuffle, self.seed, e)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _chunks(self, order: list[int], wpos: int, wrows: int, done: int) -> Iterator[pa.Table]:
+        """Arrow tables holding the worker run's rows from row ``done`` on, in order."""
+        import numpy as np
+        import pyarrow as pa
+
+        # a resumed shuffled run re-reads its current block from the block's start
+        begin = done - done % self.shuffle_buffer if self.shuffle else done
+        from torch.utils.data import get_worker_info
+
+        threads = get_worker_info() is None if self.use_threads is None else self.use_threads
+        todo = plan.pieces(order, self._unit_rows, wpos + begin, wrows - begin)
+        reader = Reader(self, todo, bool(threads))
+        try:
+            if not self.shuffle:
+                for p in reader.todo:
+                    yield reader.read(p)
+                return
+            for j, lo, n, skip in plan.blocks(done, wrows, self.shuffle_buffer):
+                parts = [reader.read(p) for p in plan.pieces(order, self._unit_rows, wpos + lo, n)]
+                block = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+                rng = np.random.default_rng(plan.block_seed(self.seed, self._epoch, wpos, j))
+                yield block.take(rng.permutation(n)[skip:])
+        finally:
+            reader.close()
+
+    def _batches(
+        self, wpos: int, wrows: int, done: Sequence[int] | None, wire: bool = False
+    ) -> Iterator[tuple[Any, Any]]:
+        """``(batch, (batches done, rows done))`` of one worker run, from progress ``done``;
+        ``wire`` (in a worker of `TableLoader`): ``(WireChunk, progress after it)``
+        items of several batches each instead."""
+        import pyarrow as pa
+        from torch.utils.data import get_worker_info
+
+        nb, nr = (list(done) + [0, 0])[:2] if done else (0, 0)
+        in_worker = get_worker_info() is not None
+        wire = wire and in_worker
+        bs = self.batch_size
+        buf: list[pa.Table] = []
+        have = 0
+        group: list[pa.Table] = []  # wire: batches not handed over yet
+        group_bytes = 0
+        start = (nb, nr)
+
+        def emit() -> tuple[Any, Any]:
+            nonlocal nb, nr, buf, have
+            table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
+            buf, have = [], 0
+            out = convert(as_record_batch(table), self.output, in_worker)
+            if self.transform is not None:
+                out = self.transform(out)
+            nb, nr = nb + 1, nr + table.num_rows
+            return out, (nb, nr)
+
+        def flush() -> tuple[Any, Any]:
+            nonlocal group, group_bytes, start
+            rows = pa.concat_tables(group) if len(group) > 1 else group[0]
+            chunk = to_wire(as_record_batch(rows), [t.num_rows for t in group], start)
+            group, group_bytes, start = [], 0, (nb, nr)
+            return chunk, (nb, nr)
+
+        def add() -> Iterator[tuple[Any, Any]]:
+            nonlocal nb, nr, buf, have, group_bytes
+            if not wire:
+                yield emit()
+                return
+            table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
+            buf, have = [], 0
+            group.append(table)
+            group_bytes += table.nbytes
+            nb, nr = nb + 1, nr + table.num_rows
+            if group_bytes >= CHUNK_BYTES or len(group) >= CHUNK_BATCHES:
+                yield flush()
+
+        for chunk in self._chunks(self.unit_order(), wpos, wrows, nr):
+            off = 0
+            while off < chunk.num_rows:
+                take = min(bs - have, chunk.num_rows - off)
+                buf.append(chunk.slice(off, take))
+                have += take
+                off += take
+                if have == bs:
+                    yield from add()
+        if have:
+            yield from add()
+        if group:
+            yield flush()
+
+    def _iterate(
+        self, start: dict[str, Any] | None, tagged: bool, wire: bool = False
+    ) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        _, world = self.rank_world()
+        wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
+        wstart = None
+        if start is not None:
+            if self._same_layout(start, world, nw):
+                wstart = start["workers"][wid]
+            elif wid == 0:
+                warnings.warn(
+                    f"TableDataset: the saved position was made with world_size="
+                    f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
+                    f"{world} and {nw}; epoch {self._epoch} restarts from its beginning.",
+                    stacklevel=3,
+                )
+        track = info is None and not tagged
+        if track:
+            self.start_progress(1, start if wstart else None)
+        batches = self._batches(wpos, wrows, wstart, wire)
+        if tagged:
+            for batch, progress in batches:
+                yield batch, (wid, progress)
+        elif track:
+            workers = self._live["workers"]  # type: ignore[index]
+            for batch, progress in batches:
+                workers[0] = progress
+                yield batch
+        else:
+            for batch, _ in batches:
+                yield batch
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        start = self.resume_position() if get_worker_info() is None else self._resume
+        return self._iterate(start, tagged=False)
+
+    # -- resumable state (the protocol of VolumeDataset) ---------------------------------------
+    #
+    # A position is JSON: {"epoch", "world_size", "num_workers", "rows", "seed", "batch_size",
+    # "table" (fingerprint of files, row groups, filter), "workers": [[batches, rows] yielded
+    # by each DataLoader worker, or None]}.
+
+    def _same_layout(self, start: dict[str, Any] | None, world: int, nw: int) -> bool:
+        return (
+            start is not None
+            and start.get("num_workers") == nw
+            and start.get("world_size") == world
+            and start.get("batch_size") == self.batch_size
+        )
+
+    def resume_position(self) -> dict[str, Any] | None:
+        """Take the position restored by `load_state_dict`, once (``None`` when nothing
+        was restored, or, with a warning, when it does not match this table and epoch)."""
+        start, self._resume = self._resume, None
+        if start is None:
+            return None
+        if (
+            start.get("epoch") != self._epoch
+            or start.get("rows") != self.rows
+            or start.get("table") != self.fingerprint
+        ):
+            warnings.warn(
+                "TableDataset: the saved position does not match this dataset (epoch, table "
+                "version, files or filter changed); the epoch restarts from its beginning.",
+                stacklevel=3,
+            )
+            return None
+        return start
+
+    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+        """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
+        ``start`` when it was made with this world size, worker count and batch size."""
+        _, world = self.rank_world()
+        nw = max(1, int(num_workers))
+        if self._same_layout(start, world, nw):
+            self._live = json.loads(json.dumps(start))
+        else:
+            self._live = plan.progress_record(
+                self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
+            )
+
+    def record_progress(self, worker: int, progress: Sequence[int]) -> None:
+        """The training loop received worker ``worker``'s batches up to ``progress``."""
+        if self._live is None:
+            raise RuntimeError("record_progress() before start_progress()")
+        self._live["workers"][worker] = list(progress)
+
+    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+        """``(batch, (worker id, progress))`` of this worker's share, from ``start``."""
+        return self._iterate(start, tagged=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "seed", "rank<R>": <json of this rank's progress>}`` (as VolumeDataset)."""
+        rank, _ = self.rank_world()
+        progress = self._live if self._live is not None else self._resume
+        return {"epoch": self._epoch, "seed": self.seed, f"rank{rank}": json.dumps(progress)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`; the next iteration continues where this rank stopped."""
+        rank, _ = self.rank_world()
+        self._epoch = int(state["epoch"])
+        self._live = None
+        raw = state.get(f"rank{rank}")
+        progress = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+        if progress is not None and (
+            progress.get("epoch") != self._epoch or progress.get("seed") != self.seed
+        ):
+            progress = None
+        self._resume = progress
+
+    def loader(self, **dataloader_kwargs: Any) -> TableLoader:
+        """A ``DataLoader`` over this dataset's batches that keeps `state_dict` exact
+        (``num_workers``, ``pin_memory``, ... as usual; the batch size is the dataset's)."""
+        if dataloader_kwargs.pop("batch_size", None) is not None:
+            raise ValueError("TableDataset batches itself: give batch_size= to TableDataset")
+        dataloader_kwargs.setdefault("collate_fn", _identity)
+        return TableLoader(self, batch_size=None, **dataloader_kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"TableDataset({self.table.description}, rows={self.rows}, "
+            f"row_groups={len(self.units)}, columns={self.columns}, batch_size="
+            f"{self.batch_size}, shuffle={self.shuffle}, uneven={self.uneven!r})"
+        )
+
+
+class _WireView:
+    """The dataset as `TableLoader`'s workers see it: batches for ``output="torch"``
+    travel as plain arrays (see `table_convert.to_wire`)."""
+
+    def __init__(self, ds: TableDataset) -> None:
+        self.ds = ds
+
+    def resume_position(self) -> dict[str, Any] | None:
+        return self.ds.resume_position()
+
+    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+        self.ds.start_progress(num_workers, start)
+
+    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]:
+        return self.ds._iterate(start, tagged=True, wire=True)
+
+    def record_progress(self, worker: int, progress: Any) -> None:
+        self.ds.record_progress(worker, progress)
+
+
+class TableLoader(VolumeLoader):
+    """The loader of `TableDataset.loader`: a `VolumeLoader` whose
+    workers hand batches over in chunks of several (``output="torch"`` without a
+    ``transform``): the hand-over costs about the same per item whatever its size. Each
+    batch of a chunk is handed to the training loop, and its progress recorded, in turn."""
+
+    def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
+        self.table = dataset
+        wire = (
+            dataset.output == "torch"
+            and dataset.transform is None
+            and kwargs.get("collate_fn") in (None, _identity)  # a collate_fn sees batches
+            and not kwargs.get("pin_memory")  # pinned: the DataLoader pins tensors
+        )
+        view: Any = _WireView(dataset) if wire else dataset
+        super().__init__(view, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        ds = self.volume
+        start = ds.resume_position()
+        self._view.start = start
+        ds.start_progress(max(1, int(self.num_workers)), start)
+        for item, (wid, progress) in DataLoader.__iter__(self):
+            if isinstance(item, WireChunk):
+                for batch, done in item.batches():
+                    ds.record_progress(wid, done)
+                    yield batch
+            else:
+                ds.record_progress(wid, progress)
+                yield item
+
+
+__all__ = ["TableDataset", "TableError", "TableLoader"]
