@@ -14,6 +14,7 @@ from .errors import (
     DistributedCancelledError,
     DistributedError,
     DistributedHangError,
+    DistributedPreemptedError,
     DistributedTimeoutError,
     LaunchError,
 )
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
     from .accelerators import backend, device
+    from .checkpoint.manager import Checkpointer, should_stop
     from .api import DistributedFunction, Options, RunHandle, distributed
     from .defaults import reset_defaults, set_defaults
     from .hang import heartbeat
@@ -44,6 +46,8 @@ _LAZY = {
     "backend": "accelerators",
     "heartbeat": "hang",
     "report_step": "progress",
+    "Checkpointer": "checkpoint.manager",
+    "should_stop": "checkpoint.manager",
     "RankFailure": "records",
     "set_defaults": "defaults",
     "reset_defaults": "defaults",
@@ -81,6 +85,9 @@ __all__ = [
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",
+    "DistributedPreemptedError",
+    "Checkpointer",
+    "should_stop",
     "heartbeat",
     "report_step",
     "set_defaults",

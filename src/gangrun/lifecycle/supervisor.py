@@ -104,6 +104,7 @@ class Supervisor:
         self._reservation: Reservation | None = None
         self._events: queue.Queue[QueueItem] | None = None
         self._cancel_reason: str | None = None
+        self._ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._released = False
@@ -159,11 +160,15 @@ class Supervisor:
             raise RuntimeError(f"call {self.run_id} has not finished")
         return self.outcome.results
 
-    def cancel(self, reason: str = "cancelled", wait: float = 30.0) -> bool:
+    def cancel(self, reason: str = "cancelled", wait: float = 30.0, checkpoint: bool = False) -> bool:
         """Stop every rank; True if the call was still running. Travels as a
-        :class:`CancelRequested` event on the call's queue."""
+        :class:`CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
             return False
+        if checkpoint and self._ckpt_env:
+            from .checkpoints import request_stop
+
+            return request_stop(self, wait)
         with self._lock:
             if self._cancel_reason is None:
                 self._cancel_reason = reason
@@ -242,6 +247,9 @@ class Supervisor:
         if self._mlflow is not None:
             self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
             self._mlflow.start(self.call)  # bad tracking input: a LaunchError, nothing started
+        from .checkpoints import prepare
+
+        self._ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
 
     def _launch_attempt(self) -> None:
         assert self.plan is not None and self.rundir is not None and self.context is not None
@@ -252,11 +260,12 @@ class Supervisor:
             if self._cancel_reason is not None:  # cancelled while restarting
                 events.put(CancelRequested(self._cancel_reason))
         self._files = RankFiles(
-            self.rundir, self.plan.world_size, self.run_id, self.opts.grace_period
+            self.rundir, self.plan.world_size, self.run_id, self.opts.grace_period, self.fn_name
         )
         tracked: dict[str, str] = {}
         for obs in self.observers:
             tracked.update(obs.rank_env())
+        tracked.update(self._ckpt_env)
         spec = GangSpec(
             run_id=self.plan.run_id,
             run_dir=self.rundir.path,
@@ -403,7 +412,8 @@ class Supervisor:
         try:
             self.outcome.results = self._files.collect()
         except DistributedError as exc:
-            return Attempt(number, State.FAILED, exc, dict(exc.failures))
+            preempted = getattr(exc, "resume", None) is not None  # never restarted
+            return Attempt(number, State.CANCELLED if preempted else State.FAILED, exc, exc.failures)
         return Attempt(number, State.SUCCEEDED)
 
     # ---------------------------------------------------------------- the one teardown

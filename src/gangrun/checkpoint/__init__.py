@@ -37,6 +37,7 @@ __all__ = [
     "is_complete",
     "latest",
     "list_checkpoints",
+    "remove",
     "save",
     "load",
 ]
@@ -109,13 +110,24 @@ def latest(url: str | os.PathLike[str], **storage_options: Any) -> str | None:
     return found[-1] if found else None
 
 
+def remove(url: str | os.PathLike[str], **storage_options: Any) -> None:
+    """Delete checkpoint ``url``: its commit marker first, so a half-deleted checkpoint is
+    never taken for a complete one."""
+    fs, path = _fs(url, storage_options)
+    path = path.rstrip("/")
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path + "/" + MARKER)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)
+
+
 _classes: dict[str, type] = {}
 
 
 def _build() -> dict[str, type]:
     if _classes:
         return _classes
-    from ._compat_imports import TORCH_SUPPORTED, private_import
+    from .._compat_imports import TORCH_SUPPORTED, private_import
 
     # Not re-exported by torch: the guard names the supported torch versions if it moves.
     private = "torch.distributed.checkpoint._fsspec_filesystem"
