@@ -147,6 +147,7 @@ def train(
             ckpt.log_metrics({"loss": losses[step]}, step)
         if kill_at == step and rank == 1 and marker and not os.path.exists(marker):
             open(marker, "w").close()
+            ckpt.wait()  # the async save in flight commits first: the restart resumes from it
             os.kill(os.getpid(), signal.SIGKILL)
         if block_at == step and gate:
             open(f"{gate}.reached.{rank}", "w").close()
