@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
     from .accelerators import backend, device
-    from .checkpoint.manager import Checkpointer, should_stop
     from .api import DistributedFunction, Options, RunHandle, distributed
+    from .checkpoint.manager import Checkpointer, should_stop
     from .defaults import reset_defaults, set_defaults
     from .hang import heartbeat
     from .interactive.magic import load_ipython_extension

@@ -129,7 +129,9 @@ def _wait_for(cond, what, timeout=120.0):
 
 
 # ---------------------------------------------------------------------- (a) rank SIGKILLed
-@pytest.mark.parametrize(("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")])
+@pytest.mark.parametrize(
+    ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
+)
 def test_rank_killed_at_random_step_restarted_by_max_restarts(
     framework, where, data, tmp_path, tmp_path_factory, request
 ):
@@ -179,7 +181,9 @@ def _caller(script, tmp_path, framework, data, where, block, so=None):
     return proc, gate, open(tmp_path / "run_id").read()
 
 
-@pytest.mark.parametrize(("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")])
+@pytest.mark.parametrize(
+    ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
+)
 def test_caller_killed_then_resumed_with_run_id(
     framework, where, data, tmp_path, tmp_path_factory, script, request
 ):

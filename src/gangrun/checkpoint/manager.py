@@ -165,7 +165,8 @@ class Checkpointer:
         from . import load
 
         tpl = _state.load_template(e, self._rank)
-        load(tpl, found, process_group=self._groups[1], storage_options=self.storage_options)
+        group = self._groups[1] if self._groups else None
+        load(tpl, found, process_group=group, storage_options=self.storage_options)
         blob = _state.apply(e, tpl, self._rank, self.state)
         self.step = self._saved_step = int(blob["step"])
         self.last = self.restored_from = found

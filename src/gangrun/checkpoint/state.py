@@ -42,8 +42,10 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     if isinstance(value, Mapping):
         return all(_is_plain(k, depth + 1) and _is_plain(v, depth + 1) for k, v in value.items())
     mod = type(value).__module__
-    return mod.startswith("torch") and type(value).__name__ in ("Tensor", "Parameter") or (
-        mod.startswith("numpy") and hasattr(value, "dtype")
+    return (
+        mod.startswith("torch")
+        and type(value).__name__ in ("Tensor", "Parameter")
+        or (mod.startswith("numpy") and hasattr(value, "dtype"))
     )
 
 

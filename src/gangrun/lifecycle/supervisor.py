@@ -160,7 +160,7 @@ class Supervisor:
             raise RuntimeError(f"call {self.run_id} has not finished")
         return self.outcome.results
 
-    def cancel(self, reason: str = "cancelled", wait: float = 30.0, checkpoint: bool = False) -> bool:
+    def cancel(self, reason: str = "cancelled", wait: float = 30.0, checkpoint=False) -> bool:
         """Stop every rank; True if the call was still running. Travels as a
         :class:`CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
@@ -412,8 +412,8 @@ class Supervisor:
         try:
             self.outcome.results = self._files.collect()
         except DistributedError as exc:
-            preempted = getattr(exc, "resume", None) is not None  # never restarted
-            return Attempt(number, State.CANCELLED if preempted else State.FAILED, exc, exc.failures)
+            ended = State.CANCELLED if hasattr(exc, "resume") else State.FAILED  # preempted
+            return Attempt(number, ended, exc, dict(exc.failures))
         return Attempt(number, State.SUCCEEDED)
 
     # ---------------------------------------------------------------- the one teardown
