@@ -122,13 +122,15 @@ def run(reps: int) -> dict:
     return {
         "state_bytes_per_rank": per_rank[0]["bytes"],
         "ranks": len(per_rank),
-        "async_blocked_s": summary(worst["blocked"]),
-        "async_committed_s": summary(worst["committed"]),
-        "dcp_sync_save_s": summary(worst["sync"]),
-        "torch_save_fsync_s": summary(worst["ts"]),
-        "torch_save_s": summary(worst["tsn"]),
-        "restore_s": summary(worst["restore"]),
-        "torch_load_s": summary(worst["load"]),
+        "results": {
+            "async_blocked": summary(worst["blocked"]),
+            "async_committed": summary(worst["committed"]),
+            "dcp_sync_save": summary(worst["sync"]),
+            "torch_save_fsync": summary(worst["ts"]),
+            "torch_save": summary(worst["tsn"]),
+            "restore": summary(worst["restore"]),
+            "torch_load": summary(worst["load"]),
+        },
         "ratios": {
             "async_blocked_vs_dcp_sync": ratio(m["blocked"], m["sync"]),
             "async_blocked_vs_torch_save_fsync": ratio(m["blocked"], m["ts"]),

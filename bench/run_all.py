@@ -21,7 +21,17 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 OUT = os.path.join(BENCH, "out")
 DOCS = os.path.join(ROOT, "docs")
-ORDER = ["relaunch", "failure", "ddp", "transfer", "output", "parent", "gang", "notebook"]
+ORDER = [
+    "relaunch",
+    "failure",
+    "ddp",
+    "transfer",
+    "output",
+    "parent",
+    "gang",
+    "notebook",
+    "checkpoint",
+]
 
 # (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
 TARGETS = [
@@ -38,6 +48,27 @@ TARGETS = [
     ("gang", "ipyparallel_vs_gang", "ipyparallel execute / warm gang execute", None, "ge"),
     ("notebook", "panel_on_vs_off", "warm relaunch in a kernel: panel on / off", None, "le"),
     ("notebook", "first_vs_warm", "first call 3 s after decorating / warm relaunch", None, "le"),
+    (
+        "checkpoint",
+        "async_blocked_vs_dcp_sync",
+        "step blocked by async save / sync DCP save (1 GiB x2)",
+        None,
+        "le",
+    ),
+    (
+        "checkpoint",
+        "async_blocked_vs_torch_save_fsync",
+        "step blocked by async save / torch.save+fsync",
+        None,
+        "le",
+    ),
+    (
+        "checkpoint",
+        "restore_vs_torch_load",
+        "Checkpointer.restore / torch.load (1 GiB x2)",
+        None,
+        "le",
+    ),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
 
@@ -259,6 +290,10 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "8. **notebook**: in a real kernel (`jupyter_client`): a warm relaunch with the live panel",
         "   on and off; the first call made 3 s after decorating (fork server prewarmed in the",
         "   background) and a cold first call, next to the warm relaunch.",
+        "9. **checkpoint**: 2 ranks, 1 GiB of FSDP2-sharded state each, local disk: the time a",
+        "   training step is blocked by `Checkpointer.save()` with async saves (the copy off the",
+        "   parameters), against a synchronous DCP save and `torch.save` (+ `fsync`) of the same",
+        "   shards; `Checkpointer.restore()` against `torch.load` (`bench/bench_checkpoint.py`).",
         "",
     ]
     return "\n".join(out)
