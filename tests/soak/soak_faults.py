@@ -197,7 +197,7 @@ def resume_rank(plan: dict) -> dict:
     model = DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     torch.manual_seed(1 + rank)
-    ckpt = gangrun.Checkpointer({"model": model, "opt": opt}, every=2, keep=2)
+    ckpt = gangrun.Checkpointer({"model": model, "opt": opt}, every=2, keep=plan.get("keep", 2))
     marker = os.path.join(os.environ["GANGRUN_CALL_CHECKPOINT_DIR"], "killed")
     for step in ckpt.steps(RESUME_STEPS):
         loss = model(torch.randn(8, 4)).pow(2).mean()

@@ -52,3 +52,26 @@ def test_rng_round_trip_and_plain_values_back_into_the_mapping():
     blob = cs.apply(e, tpl, 0, state)
     assert blob["step"] == 7 and state["n"] == 1
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == want
+
+
+def test_preempted_ranks_become_one_error_with_the_resume_line(tmp_path):
+    import json
+    import pickle
+
+    from gangrun import DistributedPreemptedError
+    from gangrun.lifecycle.checkpoints import check_writable, preempted_error
+    from gangrun.rundir import RunDir
+
+    rd = RunDir(str(tmp_path))
+    assert preempted_error(rd, 2, "call1", "train") is None
+    for r in (0, 1):
+        rec = {"step": 12, "checkpoint": "s3://b/run/step-000000012", "mlflow_run_id": "abc"}
+        (tmp_path / f"stop.{r}.json").write_text(json.dumps(rec))
+    err = preempted_error(rd, 2, "call1", "train")
+    assert isinstance(err, DistributedPreemptedError)
+    assert err.step == 12 and err.checkpoint.endswith("step-000000012")
+    assert err.resume == "train.options(run_id='abc').distributed(...)" and err.resume in str(err)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.step, back.resume, back.run_id) == (12, err.resume, "call1")
+    check_writable(str(tmp_path / "new" / "dir"))  # created, probe written and removed
+    assert list((tmp_path / "new" / "dir").iterdir()) == []

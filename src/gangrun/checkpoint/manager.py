@@ -193,6 +193,7 @@ class Checkpointer:
         """Step ``step`` (0-based) is done: report it, save when due, and on a preemption
         save and stop the rank (``SystemExit(0)``; the call raises
         :class:`gangrun.DistributedPreemptedError`). Returns whether it saved."""
+        self._setup()
         self.step = int(step) + 1
         progress.report_step(self.step, total)
         self._poll()
