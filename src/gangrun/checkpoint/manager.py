@@ -95,6 +95,7 @@ class Checkpointer:
         self._last_save = time.monotonic()
         self._metrics: list[tuple[int, int, dict[str, float]]] = []  # (step, ms, metrics)
         self._groups: tuple[Any, Any] | None = None
+        self._stager: Any = None
         self._rank, self._world = 0, 1
         self._restored = False
         _stop.install()
@@ -187,7 +188,7 @@ class Checkpointer:
             self.step_done(step, total)
         if self._saved_step != self.step:
             self.save()
-        self.wait()
+        self.close()
 
     def step_done(self, step: int, total: int | None = None) -> bool:
         """Step ``step`` (0-based) is done: report it, save when due, and on a preemption
@@ -238,7 +239,11 @@ class Checkpointer:
         group = self._groups[1] if self._groups else None
         if self.async_save and not e.engines:
             fut = dcp.async_save(
-                sd, storage_writer=writer, process_group=group, no_dist=_dist() is None
+                sd,
+                storage_writer=writer,
+                process_group=group,
+                no_dist=_dist() is None,
+                async_stager=self._get_stager(),
             )
             self._pending = (getattr(fut, "upload_completion", fut), step, url)
         else:
@@ -249,6 +254,18 @@ class Checkpointer:
         if wait:
             self.wait()
         return url
+
+    def _get_stager(self) -> Any:
+        # One stager for the manager's life: its CPU copy of the state is reused from one
+        # save to the next (no fresh allocation, pinned memory on GPUs); the previous save
+        # has always finished with it (save() waits first).
+        if self._stager is None:
+            import torch
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+        return self._stager
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[0].done():
@@ -292,9 +309,13 @@ class Checkpointer:
         raise SystemExit(0)
 
     def close(self) -> None:
-        """Wait for the save in flight and log the metrics still buffered."""
+        """Wait for the save in flight, log the metrics still buffered, free the staging
+        copy of the state."""
         self.wait()
         self._flush(None)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def __enter__(self) -> Checkpointer:
         return self
