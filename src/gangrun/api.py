@@ -84,7 +84,8 @@ class RunHandle(Generic[R]):
 
         ``checkpoint=True`` (a call with ``checkpoint_dir``): the ranks first finish their
         step and save a checkpoint, within ``grace_period``; ``result()`` then raises
-        :class:`gangrun.DistributedPreemptedError` with the line that resumes the call."""
+        [`DistributedPreemptedError`][gangrun.DistributedPreemptedError] with the line that
+        resumes the call."""
         return self._run.cancel("cancelled", wait=wait, checkpoint=checkpoint)
 
     def logs(self, rank: int = 0) -> str:

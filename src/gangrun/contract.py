@@ -14,9 +14,9 @@ Set by the caller for each rank (read by the rank side, :mod:`gangrun.worker`):
                                 heartbeat and stack-dump handler (:mod:`gangrun.hang`)
 ``GANGRUN_CALL_CHECKPOINT_DIR``  where the call's checkpoints live (the resolved
                                 ``checkpoint_dir`` option, or the one the resumed MLflow run
-                                recorded): :class:`gangrun.Checkpointer` saves and restores
+                                recorded): `gangrun.Checkpointer` saves and restores
                                 there. Not ``GANGRUN_CHECKPOINT_DIR``: that one defaults the
-                                option in the caller (:mod:`gangrun.defaults`)
+                                option in the caller (`gangrun.defaults`)
 ``GANGRUN_RAY_NODE_ID``         Ray backend: the node the rank's actor was placed on
 ``GANGRUN_RAY_NODE_IP``         Ray backend: that node's IP address
 ==============================  ==========================================================

@@ -47,7 +47,7 @@ class Options:
         gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
             once, ``None``: no limit).
         checkpoint_dir: where the call's checkpoints live (a directory or any fsspec URL),
-            for :class:`gangrun.Checkpointer` in the function; a ``run_id=`` call reuses the
+            for `gangrun.Checkpointer` in the function; a ``run_id=`` call reuses the
             one its run recorded (docs/long_runs.md).
     """
 

@@ -12,7 +12,7 @@ Inside the function::
 Where checkpoints live: the call's ``checkpoint_dir`` option (any fsspec URL or directory;
 a ``run_id=`` call reuses the one its MLflow run recorded), or ``Checkpointer(dir=...)``.
 One checkpoint is the directory ``<dir>/step-<N>`` written by
-:func:`gangrun.checkpoint.save` (its ``_COMPLETE`` marker written last): N steps are done.
+`gangrun.checkpoint.save` (its ``_COMPLETE`` marker written last): N steps are done.
 
 Agreement between ranks: every manager step all-reduces one small flag tensor on a gloo group
 of its own (stop requested? time-based save due?), so all ranks save at the same step; saves
@@ -178,8 +178,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ stepping
     def steps(self, total: int) -> Iterator[int]:
-        """``range(start, total)`` with the bookkeeping of :meth:`step_done` after each step
-        (restores first if :meth:`restore` was not called); waits for the last save at the
+        """``range(start, total)`` with the bookkeeping of `step_done` after each step
+        (restores first if `restore` was not called); waits for the last save at the
         end, saving the final step too."""
         if not self._restored:
             self.restore()
@@ -193,7 +193,7 @@ class Checkpointer:
     def step_done(self, step: int, total: int | None = None) -> bool:
         """Step ``step`` (0-based) is done: report it, save when due, and on a preemption
         save and stop the rank (``SystemExit(0)``; the call raises
-        :class:`gangrun.DistributedPreemptedError`). Returns whether it saved."""
+        `gangrun.DistributedPreemptedError`). Returns whether it saved."""
         self._setup()
         self.step = int(step) + 1
         progress.report_step(self.step, total)
@@ -220,7 +220,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
     def save(self, *, wait: bool = False) -> str:
-        """Checkpoint the state at :attr:`step` now (every rank calls it)."""
+        """Checkpoint the state at `step` now (every rank calls it)."""
         self._setup()
         e = self._classify()
         self.wait()
@@ -378,7 +378,7 @@ class Checkpointer:
 
 
 def should_stop() -> bool:
-    """See :func:`gangrun.checkpoint.stop.should_stop`."""
+    """See `gangrun.checkpoint.stop.should_stop`."""
     return _stop.should_stop()
 
 

@@ -1,4 +1,4 @@
-"""What a :class:`gangrun.Checkpointer` saves of each entry of the user's state mapping.
+"""What a `gangrun.Checkpointer` saves of each entry of the user's state mapping.
 
 * a ``torch.nn.Module`` (plain, DDP, FSDP2 ``fully_shard``): its model state dict through
   ``torch.distributed.checkpoint.state_dict`` (sharded tensors stay sharded: each rank writes
@@ -8,11 +8,11 @@
 * a DeepSpeed engine: through the engine's own ``save_checkpoint``/``load_checkpoint`` (it owns
   its ZeRO-partitioned optimizer and scheduler); local directories only;
 * anything else with ``state_dict()``/``load_state_dict()`` (an LR scheduler, a
-  :class:`~gangrun.data.VolumeLoader` / ``VolumeDataset``, a ``GradScaler``...) and every plain
+  `VolumeLoader` / ``VolumeDataset``, a ``GradScaler``...) and every plain
   value (numbers, strings, tensors, lists/dicts of those): per rank, in one blob per rank,
   together with the rank's Python, NumPy and torch (CPU and CUDA) random number generators.
 
-Anything else is refused, naming the key and the rank (:func:`classify`).
+Anything else is refused, naming the key and the rank (`classify`).
 """
 
 from __future__ import annotations

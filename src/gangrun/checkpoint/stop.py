@@ -6,14 +6,14 @@ Two ways a rank is asked:
   or the caller itself got SIGTERM from a scheduler);
 * someone outside sends the rank SIGTERM (a scheduler, ``kill``).
 
-:func:`should_stop` answers both, cheaply (a flag, then one ``stat`` of the request file).
+`should_stop` answers both, cheaply (a flag, then one ``stat`` of the request file).
 
-The SIGTERM handler is installed only while a :class:`gangrun.Checkpointer` is active (never
+The SIGTERM handler is installed only while a `gangrun.Checkpointer` is active (never
 in a rank that does not checkpoint: there SIGTERM keeps its default, immediate death). Even
 then a teardown stays immediate: gangrun's own teardown (a peer failed, a timeout, a plain
 cancel) first writes ``stop.teardown``, and a SIGTERM that finds it kills the rank at once
 with the default action, whatever the main thread is doing. That decision is taken on a
-helper thread woken through :func:`signal.set_wakeup_fd` (written by the C-level handler as
+helper thread woken through `signal.set_wakeup_fd` (written by the C-level handler as
 the signal arrives), not in the Python-level handler, which would run only once the main
 thread returns from a blocking collective.
 """
@@ -42,7 +42,7 @@ def should_stop() -> bool:
     ``handle.cancel(checkpoint=True)``, the caller preempted). Cheap: call it every step.
 
     A loop that saves on its own: save, then return (or ``sys.exit(0)``). Ranks may learn it
-    at different steps; :class:`gangrun.Checkpointer` makes them agree on one step."""
+    at different steps; `gangrun.Checkpointer` makes them agree on one step."""
     if _flag.is_set():
         return True
     rd = _run_dir()

@@ -82,7 +82,7 @@ class VolumeLoader(DataLoader):
         super().__init__(self._view, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        """The dataset's position (what :class:`gangrun.Checkpointer` saves of a loader)."""
+        """The dataset's position (what `gangrun.Checkpointer` saves of a loader)."""
         state = dict(self.volume.state_dict())  # type: ignore[attr-defined]
         if self.generator is not None:
             state["loader_generator"] = self.generator.get_state()

@@ -76,7 +76,7 @@ def choose_spawner(spec: GangSpec) -> Spawner:
 
 
 def _mark_teardown(run_dir: str) -> None:
-    """Tell ranks that handle SIGTERM (a :class:`gangrun.Checkpointer` is active) that this
+    """Tell ranks that handle SIGTERM (a `gangrun.Checkpointer` is active) that this
     SIGTERM is the teardown, not a preemption: they die at once (checkpoint/stop.py)."""
     if not run_dir:
         return

@@ -1,13 +1,13 @@
 """Caller side of checkpoints and preemption (docs/long_runs.md).
 
-* :func:`prepare`: before any rank starts, resolve where the call's checkpoints live (the
+* `prepare`: before any rank starts, resolve where the call's checkpoints live (the
   ``checkpoint_dir`` option, or the location the resumed MLflow run recorded), prove it can be
   written, refuse a resumed run whose recorded checkpoints are gone, record it on the run;
   returns the ranks' environment.
-* :func:`request_stop`: a preemption (``handle.cancel(checkpoint=True)``, SIGTERM to the
+* `request_stop`: a preemption (``handle.cancel(checkpoint=True)``, SIGTERM to the
   caller): ask the ranks to checkpoint and stop through the run directory; if they have not
   all stopped within ``grace_period`` the call is cancelled as usual.
-* :func:`preempted_error`: what ranks that stopped after saving left, as the call's error.
+* `preempted_error`: what ranks that stopped after saving left, as the call's error.
 """
 
 from __future__ import annotations

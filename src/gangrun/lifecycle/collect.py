@@ -85,7 +85,7 @@ class RankFiles:
     def collect(self) -> list[Any]:
         """Every rank's return value, rank-ordered (``None`` for a rank that ended with
         ``sys.exit(0)`` when every rank ended cleanly); results are removed once read. Ranks
-        that stopped after a preemption checkpoint: :class:`DistributedPreemptedError`."""
+        that stopped after a preemption checkpoint: `DistributedPreemptedError`."""
         from .checkpoints import preempted_error
 
         preempted = preempted_error(self.rundir, self.world_size, self.run_id, self.fn_name)

@@ -162,7 +162,7 @@ class Supervisor:
 
     def cancel(self, reason: str = "cancelled", wait: float = 30.0, checkpoint=False) -> bool:
         """Stop every rank; True if the call was still running. Travels as a
-        :class:`CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
+        `CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
             return False
         if checkpoint and self._ckpt_env:
