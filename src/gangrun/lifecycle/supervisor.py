@@ -26,6 +26,7 @@ from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
 from . import calls
+from .checkpoints import prepare, request_stop
 from .collect import RankFiles
 from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
 from .plan import (
@@ -165,9 +166,7 @@ class Supervisor:
         `CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
             return False
-        if checkpoint and self._ckpt_env:
-            from .checkpoints import request_stop
-
+        if checkpoint and self._ckpt_env:  # a preemption: lifecycle/checkpoints.py
             return request_stop(self, wait)
         with self._lock:
             if self._cancel_reason is None:
@@ -247,8 +246,6 @@ class Supervisor:
         if self._mlflow is not None:
             self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
             self._mlflow.start(self.call)  # bad tracking input: a LaunchError, nothing started
-        from .checkpoints import prepare
-
         self._ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
 
     def _launch_attempt(self) -> None:
