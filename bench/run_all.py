@@ -32,6 +32,7 @@ ORDER = [
     "notebook",
     "watch",
     "tables",
+    "checkpoint",
 ]
 
 # (benchmark, ratio or figure, label, target, "le"/"ge"/"eq")
@@ -60,6 +61,27 @@ TARGETS = [
     ("tables", "gangrun_vs_pyarrow_dataset", "2x2 table epoch rows/s / pyarrow.dataset", 0.9, "ge"),
     ("tables", "gangrun_vs_hf_streaming", "2x2 table epoch rows/s / HF datasets", None, "ge"),
     ("tables", "s3_warm_vs_cold", "table epoch from S3: warm / cold cache", None, "ge"),
+    (
+        "checkpoint",
+        "async_blocked_vs_dcp_sync",
+        "step blocked by async save / sync DCP save (1 GiB x2)",
+        None,
+        "le",
+    ),
+    (
+        "checkpoint",
+        "async_blocked_vs_torch_save_fsync",
+        "step blocked by async save / torch.save+fsync",
+        None,
+        "le",
+    ),
+    (
+        "checkpoint",
+        "restore_vs_torch_load",
+        "Checkpointer.restore / torch.load (1 GiB x2)",
+        None,
+        "le",
+    ),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
 
@@ -286,6 +308,10 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "    (2M rows), timed in the ranks, against one process scanning them with",
         "    `pyarrow.dataset`, HF `datasets` streaming them with `split_dataset_by_node` (2x2",
         "    too), and the same epoch from loopback S3 (moto) with a cold and a warm cache.",
+        "11. **checkpoint**: 2 ranks, 1 GiB of FSDP2-sharded state each, local disk: the time a",
+        "    training step is blocked by `Checkpointer.save()` with async saves (the copy off the",
+        "    parameters), against a synchronous DCP save and `torch.save` (+ `fsync`) of the same",
+        "    shards; `Checkpointer.restore()` against `torch.load` (`bench/bench_checkpoint.py`).",
         "",
     ]
     return "\n".join(out)

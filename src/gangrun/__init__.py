@@ -14,6 +14,7 @@ from .errors import (
     DistributedCancelledError,
     DistributedError,
     DistributedHangError,
+    DistributedPreemptedError,
     DistributedTimeoutError,
     LaunchError,
 )
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
+    from .checkpoint.manager import Checkpointer, should_stop
     from .defaults import reset_defaults, set_defaults
     from .hang import heartbeat
     from .interactive.magic import load_ipython_extension
@@ -46,6 +48,8 @@ _LAZY = {
     "backend": "accelerators",
     "heartbeat": "hang",
     "report_step": "progress",
+    "Checkpointer": "checkpoint.manager",
+    "should_stop": "checkpoint.manager",
     "RankFailure": "records",
     "set_defaults": "defaults",
     "reset_defaults": "defaults",
@@ -84,6 +88,9 @@ __all__ = [
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",
+    "DistributedPreemptedError",
+    "Checkpointer",
+    "should_stop",
     "heartbeat",
     "report_step",
     "set_defaults",

@@ -80,9 +80,14 @@ class RunHandle(Generic[R]):
     def done(self) -> bool:
         return self._run.done()
 
-    def cancel(self) -> bool:
-        """Stop every rank (and their descendants). True if the call was still running."""
-        return self._run.cancel("cancelled")
+    def cancel(self, checkpoint: bool = False, wait: float = 30.0) -> bool:
+        """Stop every rank (and their descendants). True if the call was still running.
+
+        ``checkpoint=True`` (a call with ``checkpoint_dir``): the ranks first finish their
+        step and save a checkpoint, within ``grace_period``; ``result()`` then raises
+        [`DistributedPreemptedError`][gangrun.DistributedPreemptedError] with the line that
+        resumes the call."""
+        return self._run.cancel("cancelled", wait=wait, checkpoint=checkpoint)
 
     def logs(self, rank: int = 0) -> str:
         """Everything rank ``rank`` wrote to stdout and stderr so far."""

@@ -66,6 +66,7 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "run_name": (("--run-name",), "NAME", "name of the MLflow run (default: the script's name)"),
     "run_id": (("--run-id",), "ID", "resume this MLflow run (same id, metric history continued)"),
     "tags": (("--tag",), "KEY=VALUE", "extra tag on the MLflow run (repeatable)"),
+    "checkpoint_dir": (("--checkpoint-dir",), "URL", "where gangrun.Checkpointer keeps the run's checkpoints (directory or fsspec URL)"),
     "gpu_wait": (("--gpu-wait",), "DURATION", "wait this long for GPUs busy with another call of yours (default 0: fail at once; none: no limit)"),
 }
 # fmt: on

@@ -12,6 +12,11 @@ Set by the caller for each rank (read by the rank side, `gangrun.worker`):
                                 the caller died, and the rank kills its own tree
 ``GANGRUN_HANG_TIMEOUT``        seconds; when set, the rank starts the hang guard's
                                 heartbeat and stack-dump handler (`gangrun.hang`)
+``GANGRUN_CALL_CHECKPOINT_DIR``  where the call's checkpoints live (the resolved
+                                ``checkpoint_dir`` option, or the one the resumed MLflow run
+                                recorded): `gangrun.Checkpointer` saves and restores
+                                there. Not ``GANGRUN_CHECKPOINT_DIR``: that one defaults the
+                                option in the caller (`gangrun.defaults`)
 ``GANGRUN_RAY_NODE_ID``         Ray backend: the node the rank's actor was placed on
 ``GANGRUN_RAY_NODE_IP``         Ray backend: that node's IP address
 ==============================  ==========================================================
@@ -53,6 +58,7 @@ RUN_DIR = "GANGRUN_RUN_DIR"
 CALLER_PID = "GANGRUN_CALLER_PID"
 LIVENESS_FD = "GANGRUN_LIVENESS_FD"
 HANG_TIMEOUT = "GANGRUN_HANG_TIMEOUT"
+CHECKPOINT_DIR = "GANGRUN_CALL_CHECKPOINT_DIR"
 RAY_NODE_ID = "GANGRUN_RAY_NODE_ID"
 RAY_NODE_IP = "GANGRUN_RAY_NODE_IP"
 
@@ -71,4 +77,4 @@ ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 
 # Every variable above that a rank inherits from its caller and that names *this* call:
 # never carried over into a nested or unrelated process (e.g. the fork server).
-PER_CALL = (RUN_ID, RUN_DIR, CALLER_PID, LIVENESS_FD, HANG_TIMEOUT)
+PER_CALL = (RUN_ID, RUN_DIR, CALLER_PID, LIVENESS_FD, HANG_TIMEOUT, CHECKPOINT_DIR)

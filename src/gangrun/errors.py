@@ -96,6 +96,34 @@ class DistributedCancelledError(DistributedError):
     """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was stopped."""
 
 
+class DistributedPreemptedError(DistributedError):
+    """The call was preempted (SIGTERM to the caller or to a rank, or
+    ``handle.cancel(checkpoint=True)``): every rank saved a checkpoint, then stopped.
+
+    ``checkpoint`` is the checkpoint written, ``step`` its step, ``mlflow_run_id`` the run to
+    continue, ``resume`` the one line that resumes the call (also in the message).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        checkpoint: str | None = None,
+        step: int | None = None,
+        mlflow_run_id: str | None = None,
+        resume: str | None = None,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.checkpoint, self.step = checkpoint, step
+        self.mlflow_run_id, self.resume = mlflow_run_id, resume
+
+    def __reduce__(self):
+        fn, (cls, msg, kw) = super().__reduce__()
+        more = {"checkpoint": self.checkpoint, "step": self.step, "resume": self.resume}
+        return fn, (cls, msg, dict(kw, mlflow_run_id=self.mlflow_run_id, **more))
+
+
 class DistributedHangError(DistributedError, TimeoutError):
     """Some ranks stopped making progress for ``hang_timeout`` seconds; every rank was stopped.
 
@@ -126,5 +154,6 @@ __all__ = [
     "DistributedTimeoutError",
     "DistributedCancelledError",
     "DistributedHangError",
+    "DistributedPreemptedError",
     "signal_name",
 ]

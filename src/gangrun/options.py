@@ -123,6 +123,9 @@ class Options:
         hang_timeout: stop the gang when a rank makes no progress for this many seconds.
         gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
             once, ``None``: no limit).
+        checkpoint_dir: where the call's checkpoints live (a directory or any fsspec URL),
+            for `gangrun.Checkpointer` in the function; a ``run_id=`` call reuses the
+            one its run recorded (docs/long_runs.md).
     """
 
     gpus: int | list[int] | None = None
@@ -156,6 +159,8 @@ class Options:
     # Restarts (lifecycle/policy.py): the k-th restart waits backoff * 2**(k-1), at most _max.
     restart_backoff: float = 1.0
     restart_backoff_max: float = 60.0
+    # Long runs (docs/long_runs.md): where gangrun.Checkpointer saves and restores.
+    checkpoint_dir: str | None = None
 
     def validate(self) -> Options:
         def _int(name: str, v: Any, low: int) -> None:
@@ -246,6 +251,13 @@ class Options:
                 "off: drop one of them."
             )
         # --- end of the MLflow options
+        if self.checkpoint_dir is not None and not (
+            isinstance(self.checkpoint_dir, str) and self.checkpoint_dir.strip()
+        ):
+            raise LaunchError(
+                f"checkpoint_dir must be a directory or fsspec URL (a non-empty string) or None, "
+                f"got {self.checkpoint_dir!r}."
+            )
         if self.max_capture_bytes is not None:
             _int("max_capture_bytes", self.max_capture_bytes, 1)
         if (

@@ -130,6 +130,14 @@ def reserve_exact(devices: Sequence[Any], wait: float | None = 0.0) -> Reservati
     return reserve(devices, len(devices), wait, exact=True)
 
 
+def reserve_wanted(pool: Sequence[Any], want: Any, wait: float | None = 0.0) -> Reservation:
+    """A call's GPUs: ``want`` of them out of ``pool`` (an int), or exactly ``pool`` (a list of
+    device indices, already resolved to ``pool``). Concurrent calls never share a GPU."""
+    if isinstance(want, int):
+        return reserve(pool, want, wait)
+    return reserve_exact(pool, wait)
+
+
 def reserve(
     pool: Sequence[Any], want: int, wait: float | None = 0.0, exact: bool = False
 ) -> Reservation:

@@ -9,6 +9,9 @@
     heartbeat.<rank>     hang guard: touched by the rank on progress
     stacks.<rank>        hang guard: the rank's stacks, dumped on request
     progress.<rank>      the rank's last step report (`gangrun.progress`)
+    stop.request         the caller asks the ranks to checkpoint and stop (a preemption)
+    stop.teardown        the caller is tearing the gang down: a SIGTERM now means "die"
+    stop.<rank>.json     rank <rank> saved a checkpoint and stopped (preempted)
     logs/rank-<rank>.log every rank's full output (unless ``log_dir=`` puts it elsewhere)
 
 Both sides use this class: the caller creates and clears it, a rank only reads the payload and
@@ -30,7 +33,7 @@ log = logging.getLogger("gangrun.rundir")
 
 PAYLOAD = "payload.pkl"
 CONTEXT = "context.json"
-_ATTEMPT_PREFIXES = ("result.", "error.", "heartbeat.", "stacks.", "progress.")
+_ATTEMPT_PREFIXES = ("result.", "error.", "heartbeat.", "stacks.", "progress.", "stop.")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,17 @@ class RunDir:
 
     def log(self, rank: int) -> str:
         return log_path(self.logs, rank)
+
+    @property
+    def stop_request(self) -> str:
+        return os.path.join(self.path, "stop.request")
+
+    @property
+    def stop_teardown(self) -> str:
+        return os.path.join(self.path, "stop.teardown")
+
+    def stopped(self, rank: int) -> str:
+        return os.path.join(self.path, f"stop.{rank}.json")
 
     def attempt_files(self) -> list[str]:
         """The per-attempt files present now (results, errors, heartbeats, stacks, step

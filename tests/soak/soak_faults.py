@@ -33,7 +33,7 @@ import time
 
 RANK_KINDS = ("exception", "exit", "sigkill", "sigsegv", "hang")
 CALLER_KINDS = ("interrupt", "cancel", "caller_kill", "caller_forks")
-SCENARIO_KINDS = ("long_line", "native_printf", "concurrent_env", "early_exit0")
+SCENARIO_KINDS = ("long_line", "native_printf", "concurrent_env", "early_exit0", "resume")
 OPTIONAL_KINDS: tuple[str, ...] = ()  # kinds drawn only when named in GANGRUN_SOAK_KINDS
 CHEAP_POINTS = ("startup", "print", "checkpoint", "return")
 TORCH_POINTS = ("before_init", "collective")
@@ -175,6 +175,42 @@ def soak_rank(plan: dict) -> object:
     if caller_side or plan["others"] == "sleep":
         _wait_forever()
     return rank
+
+
+RESUME_STEPS = 12
+
+
+def resume_rank(plan: dict) -> dict:
+    """Soak kind ``resume``: a tiny DDP training under a Checkpointer (every 2 steps), which
+    ``plan["mode"] == "kill"`` interrupts by SIGKILLing the victim once at ``kill_step``
+    (after its save in flight committed); returns the final parameters."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gangrun
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 4)
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(1 + rank)
+    ckpt = gangrun.Checkpointer({"model": model, "opt": opt}, every=2, keep=plan.get("keep", 2))
+    marker = os.path.join(os.environ["GANGRUN_CALL_CHECKPOINT_DIR"], "killed")
+    for step in ckpt.steps(RESUME_STEPS):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        victim = plan.get("mode") == "kill" and rank == plan["victim"]
+        if victim and step == plan["kill_step"] and not os.path.exists(marker):
+            open(marker, "w").close()
+            ckpt.wait()
+            os.kill(os.getpid(), 9)
+        time.sleep(0.02)  # a preemption lands mid-training
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
 def ok_rank() -> int:

@@ -86,6 +86,7 @@ FLAG_CASES = [
     (["--no-progress"], "progress", False),
     (["--gpu-wait", "10m"], "gpu_wait", 600.0),
     (["--gpu-wait", "none"], "gpu_wait", None),
+    (["--checkpoint-dir", "s3://b/run"], "checkpoint_dir", "s3://b/run"),
     (["--experiment-name", "exp"], "experiment_name", "exp"),
     (["--run-name", "nightly"], "run_name", "nightly"),
     (["--run-id", "0123abc"], "run_id", "0123abc"),

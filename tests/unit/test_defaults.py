@@ -36,6 +36,7 @@ ENV_CASES = {
     "log_system_metrics": ("true", True),
     "hang_timeout": ("90s", 90.0),
     "gpu_wait": ("none", None),
+    "checkpoint_dir": ("s3://bucket/run", "s3://bucket/run"),
     # tracking options (added by the tracking work): plain strings and a JSON dict
     "experiment_name": ("exp", "exp"),
     "run_name": ("nightly", "nightly"),

@@ -66,6 +66,8 @@ LAYERS: dict[str, int] = {
     "gangrun.tracking": PLATFORM,
     "gangrun.data": PLATFORM,  # user-facing inside ranks: helpers only
     "gangrun.checkpoint": PLATFORM,
+    "gangrun.checkpoint.manager": RANK,  # gangrun.Checkpointer (inside ranks)
+    "gangrun.checkpoint.stop": RANK,  # a rank's preemption flag and SIGTERM handler
 }
 # Modules that run inside a rank: may import only these layers.
 RANK_SIDE_MAY_IMPORT = {RANK, PLATFORM}
@@ -78,6 +80,8 @@ RANK_SIDE = (
     "gangrun.rundir",
     "gangrun.tracking.rank",
     "gangrun.interactive.rank",
+    "gangrun.checkpoint.manager",
+    "gangrun.checkpoint.stop",
 )
 
 

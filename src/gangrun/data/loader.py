@@ -68,10 +68,33 @@ class VolumeLoader(DataLoader):
             raise ValueError("VolumeDataset does its own sharding and shuffling")
         self.volume = dataset
         self._view = _TaggedView(dataset)
+        if kwargs.get("generator") is None:
+            # torch's DataLoader draws each iteration's worker base seed from this generator,
+            # by default the global RNG: a private one (saved in state_dict) keeps the training
+            # loop's random stream the same whether or not the loop was resumed mid-run.
+            import torch
+
+            seed = int(getattr(dataset, "seed", 0))
+            kwargs["generator"] = torch.Generator().manual_seed(seed)
         kwargs["collate_fn"] = _Collate(
             kwargs.get("collate_fn"), kwargs.get("batch_size", 1) is not None
         )
         super().__init__(self._view, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's position (what `gangrun.Checkpointer` saves of a loader)."""
+        state = dict(self.volume.state_dict())  # type: ignore[attr-defined]
+        if self.generator is not None:
+            state["loader_generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a saved position: the next ``iter(loader)`` continues mid-epoch."""
+        state = dict(state)
+        gen = state.pop("loader_generator", None)
+        if gen is not None and self.generator is not None:
+            self.generator.set_state(gen)
+        self.volume.load_state_dict(state)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self.volume

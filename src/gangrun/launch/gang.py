@@ -20,7 +20,7 @@ import time
 from typing import IO, TYPE_CHECKING
 
 from .. import platform
-from ..rundir import log_path
+from ..rundir import RunDir, log_path
 from . import ExitSink, GangSpec, RankExit, RankIO, RankProcess, RankSpec, Spawner
 from .limits import check_env
 from .spawn import SpawnSpawner, close_fds
@@ -79,6 +79,17 @@ def choose_spawner(spec: GangSpec) -> Spawner:
             file=sys.stderr,
         )
         return SpawnSpawner()
+
+
+def _mark_teardown(run_dir: str) -> None:
+    """Tell ranks that handle SIGTERM (a `gangrun.Checkpointer` is active) that this
+    SIGTERM is the teardown, not a preemption: they die at once (checkpoint/stop.py)."""
+    if not run_dir:
+        return
+    try:
+        os.close(os.open(RunDir(run_dir).stop_teardown, os.O_WRONLY | os.O_CREAT, 0o600))
+    except OSError:  # the run directory is gone: no rank can be reading it either
+        pass
 
 
 class ProcessGang:
@@ -177,6 +188,7 @@ class ProcessGang:
         """SIGTERM every rank's tree, wait up to ``grace``, SIGKILL what is left, sweep."""
         grace = self.spec.grace_period if grace is None else grace
         if self.alive():
+            _mark_teardown(self.spec.run_dir)
             self._signal_all(signal.SIGTERM)
             self._wait_all(grace)
         self.reap_leftovers()

@@ -20,8 +20,11 @@ log = logging.getLogger("gangrun.lifecycle.collect")
 class RankFiles:
     """One attempt's view of the run directory (error records are read once, then cached)."""
 
-    def __init__(self, rundir: RunDir, world_size: int, run_id: str, grace: float) -> None:
+    def __init__(
+        self, rundir: RunDir, world_size: int, run_id: str, grace: float, fn_name: str = "fn"
+    ) -> None:
         self.rundir = rundir
+        self.fn_name = fn_name
         self.world_size = world_size
         self.run_id = run_id
         self.grace = grace
@@ -81,7 +84,13 @@ class RankFiles:
 
     def collect(self) -> list[Any]:
         """Every rank's return value, rank-ordered (``None`` for a rank that ended with
-        ``sys.exit(0)`` when every rank ended cleanly); results are removed once read."""
+        ``sys.exit(0)`` when every rank ended cleanly); results are removed once read. Ranks
+        that stopped after a preemption checkpoint: `DistributedPreemptedError`."""
+        from .checkpoints import preempted_error
+
+        preempted = preempted_error(self.rundir, self.world_size, self.run_id, self.fn_name)
+        if preempted is not None:
+            raise preempted
         out: list[Any] = []
         for r in range(self.world_size):
             p = self.rundir.result(r)

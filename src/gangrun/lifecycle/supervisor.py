@@ -27,15 +27,10 @@ from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale
 from . import calls
 from .attempts import Restarts, annotate
+from .checkpoints import prepare, request_stop
 from .collect import RankFiles
 from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
-from .plan import (
-    Plan,
-    check_gpu_type,
-    rank_context,
-    rank_specs,
-    tracking_info,
-)
+from .plan import Plan, check_gpu_type, rank_context, rank_specs, tracking_info
 from .policy import Decision
 from .seams import GangFactory, Planner, PumpFactory, QueueItem, default_planner, make_pump
 from .state import (
@@ -108,6 +103,7 @@ class Supervisor:
         self._reservation: Reservation | None = None
         self._events: queue.Queue[QueueItem] | None = None
         self._cancel_reason: str | None = None
+        self._ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._released = False
@@ -144,9 +140,8 @@ class Supervisor:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        # Wait in slices so the main thread stays responsive to KeyboardInterrupt even when it
-        # is raised by _thread.interrupt_main() rather than a real SIGINT. The event still
-        # wakes the waiter at once when the call ends.
+        # In slices: the main thread stays responsive to KeyboardInterrupt (also one raised by
+        # _thread.interrupt_main()); the event still wakes the waiter at once at the end.
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
@@ -163,11 +158,15 @@ class Supervisor:
             raise RuntimeError(f"call {self.run_id} has not finished")
         return self.outcome.results
 
-    def cancel(self, reason: str = "cancelled", wait: float = 30.0) -> bool:
+    def cancel(
+        self, reason: str = "cancelled", wait: float = 30.0, checkpoint: bool = False
+    ) -> bool:
         """Stop every rank; True if the call was still running. Travels as a
-        `CancelRequested` event on the call's queue."""
+        `CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
             return False
+        if checkpoint and self._ckpt_env:  # a preemption: lifecycle/checkpoints.py
+            return request_stop(self, wait)
         with self._lock:
             if self._cancel_reason is None:
                 self._cancel_reason = reason
@@ -218,14 +217,9 @@ class Supervisor:
         tell(self.observers, "on_plan", self.call)  # e.g. the panel: "starting N ranks..."
         self.context = rank_context(self.opts)
         if plan.gpus_wanted:
-            from ..reservation import reserve, reserve_exact
+            from ..reservation import reserve_wanted
 
-            # concurrent calls (threads, other notebooks of this user) never share a GPU
-            want = plan.gpus_wanted
-            if isinstance(want, int):
-                self._reservation = reserve(plan.devices, want, self.opts.gpu_wait)
-            else:
-                self._reservation = reserve_exact(plan.devices, self.opts.gpu_wait)
+            self._reservation = reserve_wanted(plan.devices, plan.gpus_wanted, self.opts.gpu_wait)
             self._devices = list(self._reservation.devices)
             check_gpu_type(self._devices, self.opts.gpu_type)
             plan.gpu_name = self._devices[0].name
@@ -246,6 +240,7 @@ class Supervisor:
         if self._mlflow is not None:
             self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
             self._mlflow.start(self.call)  # bad tracking input: a LaunchError, nothing started
+        self._ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
 
     def _launch_attempt(self) -> None:
         assert self.plan is not None and self.rundir is not None and self.context is not None
@@ -256,11 +251,12 @@ class Supervisor:
             if self._cancel_reason is not None:  # cancelled while restarting
                 events.put(CancelRequested(self._cancel_reason))
         self._files = RankFiles(
-            self.rundir, self.plan.world_size, self.run_id, self.opts.grace_period
+            self.rundir, self.plan.world_size, self.run_id, self.opts.grace_period, self.fn_name
         )
         tracked: dict[str, str] = {}
         for obs in self.observers:
             tracked.update(obs.rank_env())
+        tracked.update(self._ckpt_env)
         spec = GangSpec(
             run_id=self.plan.run_id,
             run_dir=self.rundir.path,
@@ -414,7 +410,8 @@ class Supervisor:
         try:
             self.outcome.results = self._files.collect()
         except DistributedError as exc:
-            return Attempt(number, State.FAILED, exc, dict(exc.failures))
+            ended = State.CANCELLED if hasattr(exc, "resume") else State.FAILED  # preempted
+            return Attempt(number, ended, exc, dict(exc.failures))
         return Attempt(number, State.SUCCEEDED)
 
     # ---------------------------------------------------------------- the one teardown

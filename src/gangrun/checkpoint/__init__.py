@@ -37,6 +37,7 @@ __all__ = [
     "is_complete",
     "latest",
     "list_checkpoints",
+    "remove",
     "save",
     "load",
 ]
@@ -63,10 +64,20 @@ def _natural(s: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
+def _invalidate(fs: Any, root: str) -> None:
+    """Forget cached listings of ``root`` and everything under it: other processes write
+    checkpoints (s3fs & co. invalidate a path and its parents, not its children)."""
+    fs.invalidate_cache(root)
+    cache = getattr(fs, "dircache", None)
+    if cache:
+        for key in [k for k in list(cache) if str(k).startswith(root + "/")]:
+            cache.pop(key, None)
+
+
 def is_complete(url: str | os.PathLike[str], **storage_options: Any) -> bool:
     """Whether ``url`` is a finished checkpoint (its commit marker exists)."""
     fs, path = _fs(url, storage_options)
-    fs.invalidate_cache(path.rstrip("/"))  # other processes write checkpoints
+    _invalidate(fs, path.rstrip("/"))
     return bool(fs.exists(path.rstrip("/") + "/" + MARKER))
 
 
@@ -74,7 +85,7 @@ def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> lis
     """The complete checkpoints directly under ``url``, oldest first (by commit time)."""
     fs, root = _fs(url, storage_options)
     root = root.rstrip("/")
-    fs.invalidate_cache(root)  # listings cached by s3fs & co. miss other processes' saves
+    _invalidate(fs, root)  # listings cached by s3fs & co. miss other processes' saves
     try:
         markers = fs.glob(f"{root}/*/{MARKER}")
     except FileNotFoundError:
@@ -109,13 +120,24 @@ def latest(url: str | os.PathLike[str], **storage_options: Any) -> str | None:
     return found[-1] if found else None
 
 
+def remove(url: str | os.PathLike[str], **storage_options: Any) -> None:
+    """Delete checkpoint ``url``: its commit marker first, so a half-deleted checkpoint is
+    never taken for a complete one."""
+    fs, path = _fs(url, storage_options)
+    path = path.rstrip("/")
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path + "/" + MARKER)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)
+
+
 _classes: dict[str, type] = {}
 
 
 def _build() -> dict[str, type]:
     if _classes:
         return _classes
-    from ._compat_imports import TORCH_SUPPORTED, private_import
+    from .._compat_imports import TORCH_SUPPORTED, private_import
 
     # Not re-exported by torch: the guard names the supported torch versions if it moves.
     private = "torch.distributed.checkpoint._fsspec_filesystem"

@@ -1,0 +1,385 @@
+"""The checkpoint manager of a call: restore the newest complete checkpoint, save every N
+steps (asynchronously), keep the last K, stop cleanly on a preemption.
+
+Inside the function::
+
+    ckpt = gangrun.Checkpointer({"model": model, "optim": opt, "sched": sched,
+                                 "loader": loader}, every=100, keep=3)
+    for step in ckpt.steps(total):          # starts at the restored step (0 on a fresh run)
+        loss = train_step(next(batches))
+        ckpt.log_metrics({"loss": loss}, step)   # exactly once per step, whatever restarts
+
+Where checkpoints live: the call's ``checkpoint_dir`` option (any fsspec URL or directory;
+a ``run_id=`` call reuses the one its MLflow run recorded), or ``Checkpointer(dir=...)``.
+One checkpoint is the directory ``<dir>/step-<N>`` written by
+`gangrun.checkpoint.save` (its ``_COMPLETE`` marker written last): N steps are done.
+
+Agreement between ranks: every manager step all-reduces one small flag tensor on a gloo group
+of its own (stop requested? time-based save due?), so all ranks save at the same step; saves
+run on a second gloo group, in DCP's background thread, so the training thread's own
+collectives never interleave with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .. import contract, progress
+from ..rundir import RunDir
+from . import is_complete, latest, list_checkpoints, remove
+from . import state as _state
+from . import stop as _stop
+
+PREFIX = "step-"
+TAG_LATEST = "gangrun.checkpoint_latest"  # set by rank 0 after each commit
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+class Checkpointer:
+    """Save and restore one state mapping of this rank (see the module docstring).
+
+    Args:
+        state: name -> object: modules, optimizers, LR schedulers, loaders, a DeepSpeed engine,
+            anything with ``state_dict``/``load_state_dict``, plain values.
+        every: save after every ``every`` steps (``None``: not by step count).
+        every_seconds: save when this long has passed since the last save (rank 0's clock).
+        keep: how many complete checkpoints to keep (``None``: all).
+        dir: where (default: the call's ``checkpoint_dir``).
+        async_save: write in the background (the step waits only for the copy of the state
+            off the device). DeepSpeed engines are saved synchronously.
+        storage_options: for fsspec (e.g. ``{"endpoint_url": ...}``).
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Any] | None = None,
+        *,
+        every: int | None = None,
+        every_seconds: float | None = None,
+        keep: int | None = 3,
+        dir: str | None = None,
+        async_save: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        root = dir or os.environ.get(contract.CHECKPOINT_DIR)
+        if not root:
+            raise RuntimeError(
+                "Checkpointer: no checkpoint location. Name one for the call: "
+                "@distributed(checkpoint_dir='s3://bucket/run') (or .options(...), the "
+                "--checkpoint-dir flag, GANGRUN_CHECKPOINT_DIR), or Checkpointer(dir=...)."
+            )
+        for name, v in (("every", every), ("keep", keep)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"Checkpointer: {name} must be an integer >= 1 or None, got {v!r}")
+        self.dir = root.rstrip("/")
+        self.every, self.every_seconds, self.keep = every, every_seconds, keep
+        self.async_save = async_save
+        self.storage_options = dict(storage_options or {})
+        self.state: Mapping[str, Any] = state if state is not None else {}
+        self.step = 0  # steps done: the step to start from
+        self.last: str | None = None  # newest committed checkpoint (this manager's view)
+        self.restored_from: str | None = None
+        self._entries: _state.Entries | None = None
+        self._pending: tuple[Any, int, str] | None = None  # (future, step, url)
+        self._saved_step = -1
+        self._last_save = time.monotonic()
+        self._metrics: list[tuple[int, int, dict[str, float]]] = []  # (step, ms, metrics)
+        self._groups: tuple[Any, Any] | None = None
+        self._stager: Any = None
+        self._rank, self._world = 0, 1
+        self._restored = False
+        _stop.install()
+
+    # ------------------------------------------------------------------ helpers
+    def _setup(self) -> None:
+        if self._groups is not None:
+            return
+        dist = _dist()
+        if dist is None:
+            self._groups = (None, None)
+            return
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        # one group for the per-step flag (training thread), one for saves (DCP's thread)
+        self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+
+    def _classify(self) -> _state.Entries:
+        if self._entries is None:
+            self._entries = _state.classify(self.state, self._rank)
+            if self._entries.engines and "://" in self.dir and not self.dir.startswith("file://"):
+                raise ValueError(
+                    f"Checkpointer on rank {self._rank}: a DeepSpeed engine saves through its own "
+                    f"checkpoint API, to a local or shared directory; {self.dir!r} is not one."
+                )
+        return self._entries
+
+    def _url(self, step: int) -> str:
+        return f"{self.dir}/{PREFIX}{step:09d}"
+
+    def _local(self, url: str) -> str:
+        return url[len("file://") :] if url.startswith("file://") else url
+
+    def _agree(self, *flags: int) -> list[int]:
+        dist = _dist()
+        if dist is None or self._world == 1:
+            return list(flags)
+        import torch
+
+        t = torch.tensor(list(flags), dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._groups[0])  # type: ignore[index]
+        return [int(v) for v in t.tolist()]
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state: Mapping[str, Any] | None = None) -> int:
+        """Load the newest complete checkpoint into the state (every rank calls it); returns
+        the step to start from (0 when there is none)."""
+        if state is not None:
+            self.state, self._entries = state, None
+        self._setup()
+        e = self._classify()
+        found = latest(self.dir, **self.storage_options) if self._rank == 0 else None
+        dist = _dist()
+        if dist is not None and self._world > 1:
+            box = [found]
+            dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
+            found = box[0]
+        self._restored = True
+        if found is None:
+            self.step = 0
+            progress.report_step(0)
+            return 0
+        for key, engine in e.engines.items():
+            path, _ = engine.load_checkpoint(
+                os.path.join(self._local(found), "deepspeed", key), tag="engine"
+            )
+            if path is None:
+                raise RuntimeError(f"DeepSpeed found no checkpoint for {key!r} in {found}")
+        from . import load
+
+        tpl = _state.load_template(e, self._rank)
+        group = self._groups[1] if self._groups else None
+        load(tpl, found, process_group=group, storage_options=self.storage_options)
+        blob = _state.apply(e, tpl, self._rank, self.state)
+        self.step = self._saved_step = int(blob["step"])
+        self.last = self.restored_from = found
+        self._replay_metrics(blob.get("metrics", []))
+        self._last_save = time.monotonic()
+        progress.report_resumed(self.step)
+        return self.step
+
+    # ------------------------------------------------------------------ stepping
+    def steps(self, total: int) -> Iterator[int]:
+        """``range(start, total)`` with the bookkeeping of `step_done` after each step
+        (restores first if `restore` was not called); waits for the last save at the
+        end, saving the final step too."""
+        if not self._restored:
+            self.restore()
+        for step in range(self.step, total):
+            yield step
+            self.step_done(step, total)
+        if self._saved_step != self.step:
+            self.save()
+        self.close()
+
+    def step_done(self, step: int, total: int | None = None) -> bool:
+        """Step ``step`` (0-based) is done: report it, save when due, and on a preemption
+        save and stop the rank (``SystemExit(0)``; the call raises
+        `gangrun.DistributedPreemptedError`). Returns whether it saved."""
+        self._setup()
+        self.step = int(step) + 1
+        progress.report_step(self.step, total)
+        self._poll()
+        due_time = self.every_seconds is not None and (
+            time.monotonic() - self._last_save >= self.every_seconds
+        )
+        stop, due_time_all = self._agree(int(_stop.should_stop()), int(due_time))
+        if stop:
+            self._preempted()
+        if (self.every is not None and self.step % self.every == 0) or due_time_all:
+            self.save()
+            return True
+        return False
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Log ``metrics`` for ``step`` to the call's MLflow run once the checkpoint that
+        covers the step is committed: a step replayed after a restore is logged once, never
+        twice, never lost."""
+        ms = int(time.time() * 1000)
+        self._metrics.append((int(step), ms, {k: float(v) for k, v in metrics.items()}))
+        if self.every is None and self.every_seconds is None:
+            self._flush(self.step + 1)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, *, wait: bool = False) -> str:
+        """Checkpoint the state at `step` now (every rank calls it)."""
+        self._setup()
+        e = self._classify()
+        self.wait()
+        step, url = self.step, self._url(self.step)
+        for key, engine in e.engines.items():
+            engine.save_checkpoint(
+                os.path.join(self._local(url), "deepspeed", key), tag="engine", save_latest=False
+            )
+        pending = [m for m in self._metrics if m[0] < step]
+        sd = _state.save_dict(e, self._rank, {"step": step, "metrics": pending})
+        from . import _build
+
+        writer = _build()["VolumeWriter"](url, **self.storage_options)
+        import torch.distributed.checkpoint as dcp
+
+        group = self._groups[1] if self._groups else None
+        if self.async_save and not e.engines:
+            fut = dcp.async_save(
+                sd,
+                storage_writer=writer,
+                process_group=group,
+                no_dist=_dist() is None,
+                async_stager=self._get_stager(),
+            )
+            self._pending = (getattr(fut, "upload_completion", fut), step, url)
+        else:
+            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=_dist() is None)
+            self._committed(step, url)
+        self._saved_step = step
+        self._last_save = time.monotonic()
+        if wait:
+            self.wait()
+        return url
+
+    def _get_stager(self) -> Any:
+        # One stager for the manager's life: its CPU copy of the state is reused from one
+        # save to the next (no fresh allocation, pinned memory on GPUs); the previous save
+        # has always finished with it (save() waits first).
+        if self._stager is None:
+            import torch
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            pinned = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
+        return self._stager
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed."""
+        if self._pending is None:
+            return
+        fut, step, url = self._pending
+        self._pending = None
+        fut.result()
+        self._committed(step, url)
+
+    def _committed(self, step: int, url: str) -> None:
+        self.last = url
+        self._flush(step)
+        if self._rank != 0:
+            return
+        self._tag(url)
+        if self.keep is not None:
+            for old in list_checkpoints(self.dir, **self.storage_options)[: -self.keep]:
+                remove(old, **self.storage_options)
+
+    def _preempted(self) -> None:
+        if self._saved_step != self.step:
+            self.save(wait=True)
+        else:
+            self.wait()
+        rd = os.environ.get(contract.RUN_DIR)
+        if rd:
+            record = {"step": self.step, "checkpoint": self.last, "time": time.time()}
+            record["mlflow_run_id"] = os.environ.get("MLFLOW_RUN_ID")
+            with open(RunDir(rd).stopped(self._rank), "w") as f:
+                json.dump(record, f)
+        print(
+            f"gangrun: rank {self._rank} checkpointed step {self.step} to {self.last} and stops "
+            "(preempted).",
+            file=sys.stderr,
+        )
+        raise SystemExit(0)
+
+    def close(self) -> None:
+        """Wait for the save in flight, log the metrics still buffered, free the staging
+        copy of the state."""
+        self.wait()
+        self._flush(None)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+    # ------------------------------------------------------------------ MLflow
+    def _client(self) -> Any:
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if not run_id:
+            return None, None
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            return None, None
+        return MlflowClient(), run_id
+
+    def _flush(self, before: int | None) -> None:
+        """Log the buffered metrics of steps < ``before`` (all of them for ``None``)."""
+        ready = [m for m in self._metrics if before is None or m[0] < before]
+        if not ready:
+            return
+        self._metrics = [m for m in self._metrics if not (before is None or m[0] < before)]
+        self._log(ready)
+
+    def _log(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
+        client, run_id = self._client()
+        if client is None:
+            return
+        from mlflow.entities import Metric
+
+        batch = [Metric(k, v, ms, s) for s, ms, m in entries for k, v in m.items()]
+        for i in range(0, len(batch), 1000):
+            client.log_batch(run_id, metrics=batch[i : i + 1000])
+
+    def _replay_metrics(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
+        # Metrics the checkpoint covered but whose flush the previous attempt may not have
+        # reached: log the ones the run does not have yet.
+        client, run_id = self._client()
+        if client is None or not entries:
+            return
+        keys = {k for _, _, m in entries for k in m}
+        have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
+        todo = []
+        for s, ms, m in entries:
+            left = {k: v for k, v in m.items() if s not in have[k]}
+            if left:
+                todo.append((s, ms, left))
+        self._log(todo)
+
+    def _tag(self, url: str) -> None:
+        client, run_id = self._client()
+        if client is not None:
+            try:
+                client.set_tag(run_id, TAG_LATEST, url)
+            except Exception as exc:  # tracking must not stop the training
+                print(f"gangrun: could not tag the MLflow run: {exc}", file=sys.stderr)
+
+
+def should_stop() -> bool:
+    """See `gangrun.checkpoint.stop.should_stop`."""
+    return _stop.should_stop()
+
+
+__all__ = ["Checkpointer", "should_stop", "is_complete", "PREFIX", "TAG_LATEST"]

@@ -1,0 +1,150 @@
+"""Rank side of a preemption: has this rank been asked to checkpoint and stop?
+
+Two ways a rank is asked:
+
+* the caller writes ``stop.request`` in the run directory (``handle.cancel(checkpoint=True)``,
+  or the caller itself got SIGTERM from a scheduler);
+* someone outside sends the rank SIGTERM (a scheduler, ``kill``).
+
+`should_stop` answers both, cheaply (a flag, then one ``stat`` of the request file).
+
+The SIGTERM handler is installed only while a `gangrun.Checkpointer` is active (never
+in a rank that does not checkpoint: there SIGTERM keeps its default, immediate death). Even
+then a teardown stays immediate: gangrun's own teardown (a peer failed, a timeout, a plain
+cancel) first writes ``stop.teardown``, and a SIGTERM that finds it kills the rank at once
+with the default action, whatever the main thread is doing. That decision is taken on a
+helper thread woken through `signal.set_wakeup_fd` (written by the C-level handler as
+the signal arrives), not in the Python-level handler, which would run only once the main
+thread returns from a blocking collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from .. import contract
+from ..rundir import RunDir
+
+_flag = threading.Event()
+_installed = False
+_lock = threading.Lock()
+
+
+def _run_dir() -> RunDir | None:
+    path = os.environ.get(contract.RUN_DIR)
+    return RunDir(path) if path else None
+
+
+def should_stop() -> bool:
+    """True once this rank has been asked to checkpoint and stop (a SIGTERM preemption, a
+    ``handle.cancel(checkpoint=True)``, the caller preempted). Cheap: call it every step.
+
+    A loop that saves on its own: save, then return (or ``sys.exit(0)``). Ranks may learn it
+    at different steps; `gangrun.Checkpointer` makes them agree on one step."""
+    if _flag.is_set():
+        return True
+    rd = _run_dir()
+    if rd is not None and os.path.exists(rd.stop_request):
+        _flag.set()
+        return True
+    return False
+
+
+def request() -> None:
+    """Mark this rank as asked to stop (what a SIGTERM from outside does)."""
+    _flag.set()
+
+
+def _die_now() -> None:
+    # Default disposition at the C level (signal.signal works only on the main thread),
+    # then the same signal again: the rank ends as an unhandled SIGTERM would end it.
+    from ..platform import _libc
+
+    libc = _libc()
+    if libc is not None:
+        libc.signal(signal.SIGTERM, 0)  # SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)
+
+
+def _on_sigterm() -> None:
+    rd = _run_dir()
+    if rd is None or os.path.exists(rd.stop_teardown):
+        _die_now()
+    _flag.set()
+
+
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not data:
+            return
+        if signal.SIGTERM in data:
+            _on_sigterm()
+
+
+def _python_handler(signum: int, frame: object) -> None:
+    # The watcher thread has already decided; this runs later, on the main thread. If there
+    # was no watcher (someone else owns the wakeup fd) decide here.
+    if not _watching:
+        _on_sigterm()
+
+
+_watching = False
+
+
+def install() -> bool:
+    """Install the SIGTERM handler (main thread only; idempotent). False when it could not be
+    (not the main thread): requests through the run directory still work."""
+    global _installed, _watching
+    with _lock:
+        if _installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        os.set_inheritable(r, False)
+        os.set_inheritable(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = -2
+        if previous not in (-1, -2):  # the fd belongs to someone else (an event loop): keep it
+            signal.set_wakeup_fd(previous)
+        if previous == -1:
+            _watching = True
+            threading.Thread(target=_watch, args=(r,), name="gangrun-sigterm", daemon=True).start()
+        else:
+            os.close(r)
+            os.close(w)
+        signal.signal(signal.SIGTERM, _python_handler)
+        _installed = True
+        return True
+
+
+def _reset_in_child() -> None:
+    # A fork of the rank (a DataLoader worker): SIGTERM is its default again, and its signals
+    # must not wake the rank's watcher through the inherited wakeup fd.
+    global _installed, _watching
+    if _installed:
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+    _flag.clear()
+    _installed = _watching = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+__all__ = ["should_stop", "install", "request"]

@@ -1,0 +1,192 @@
+"""Caller side of checkpoints and preemption (docs/long_runs.md).
+
+* `prepare`: before any rank starts, resolve where the call's checkpoints live (the
+  ``checkpoint_dir`` option, or the location the resumed MLflow run recorded), prove it can be
+  written, refuse a resumed run whose recorded checkpoints are gone, record it on the run;
+  returns the ranks' environment.
+* `request_stop`: a preemption (``handle.cancel(checkpoint=True)``, SIGTERM to the
+  caller): ask the ranks to checkpoint and stop through the run directory; if they have not
+  all stopped within ``grace_period`` the call is cancelled as usual.
+* `preempted_error`: what ranks that stopped after saving left, as the call's error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .. import contract
+from ..errors import DistributedPreemptedError, LaunchError
+from ..rundir import RunDir
+
+if TYPE_CHECKING:
+    from ..tracking.caller import Tracker
+
+Supervisor = Any  # lifecycle.supervisor.Supervisor (which imports this module)
+
+log = logging.getLogger("gangrun.lifecycle.checkpoints")
+
+TAG_DIR = "gangrun.checkpoint_dir"
+TAG_LATEST = "gangrun.checkpoint_latest"  # written by rank 0 after each commit (manager.py)
+_MARGIN_S = 2.0  # beyond grace_period: a rank's exit and the caller's reading of it
+
+
+def _normalise(url: str) -> str:
+    return url if "://" in url else os.path.abspath(os.path.expanduser(url))
+
+
+def check_writable(url: str) -> None:
+    """Create ``url`` and write (then delete) a probe file in it; a LaunchError if not."""
+    from ..checkpoint import _fs
+
+    try:
+        fs, path = _fs(url)
+        path = path.rstrip("/")
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path}/.gangrun-probe-{uuid.uuid4().hex[:8]}"
+        fs.pipe_file(probe, b"ok")
+        fs.rm_file(probe)
+    except Exception as exc:
+        raise LaunchError(
+            f"checkpoint_dir={url!r} cannot be written: {type(exc).__name__}: {exc}. Name a "
+            "directory or fsspec URL this process (and every rank) can write, with its "
+            "credentials set (e.g. AWS_* variables, or fsspec's config)."
+        ) from None
+
+
+def prepare(sup: Supervisor) -> dict[str, str]:
+    """The ranks' checkpoint environment (empty when the call has no checkpoints)."""
+    opts, tracker = sup.opts, sup.tracker
+    url = opts.checkpoint_dir
+    recorded: dict[str, str] = {}
+    if tracker is not None and tracker.resume_number > 0:
+        recorded = _tags(tracker)
+    if url is None:
+        url = recorded.get(TAG_DIR)
+        if url is None:
+            return {}
+    url = _normalise(url)
+    check_writable(url)
+    last = recorded.get(TAG_LATEST)
+    if last and recorded.get(TAG_DIR, "").rstrip("/") == url.rstrip("/"):
+        from ..checkpoint import latest
+
+        if latest(url) is None:
+            raise LaunchError(
+                f"MLflow run {tracker.run_id if tracker else ''} recorded checkpoints in {url} "
+                f"(the last one {last}), but no complete checkpoint is there now: they were "
+                "deleted or moved. Starting at step 0 would silently redo the training; pass "
+                "checkpoint_dir= with their new location, or a fresh checkpoint_dir= to start "
+                "over."
+            )
+    if tracker is not None:
+        try:
+            tracker.client.set_tag(tracker.run_id, TAG_DIR, url)
+        except Exception as exc:
+            log.warning("could not record the checkpoint location on the run: %s", exc)
+    if threading.current_thread() is threading.main_thread():
+        install_sigterm()
+    return {contract.CHECKPOINT_DIR: url}
+
+
+def _tags(tracker: Tracker) -> dict[str, str]:
+    try:
+        return dict(tracker.client.get_run(tracker.run_id).data.tags)
+    except Exception as exc:
+        log.warning("could not read the resumed run's tags: %s", exc)
+        return {}
+
+
+# ---------------------------------------------------------------------- preemption
+def request_stop(sup: Supervisor, wait: float) -> bool:
+    """Ask the call's ranks to save and stop; cancel it if they have not within the grace
+    period. True if the call was still running."""
+    if sup.done() or sup.rundir is None:
+        return False
+    with open(sup.rundir.stop_request, "w") as f:
+        f.write(f"{time.time():.6f}\n")
+    grace = float(sup.opts.grace_period) + _MARGIN_S
+
+    def deadline() -> None:
+        if not sup.wait(grace):
+            sup.cancel(f"preempted, and the ranks did not checkpoint within {grace:g}s", wait=0)
+
+    threading.Thread(target=deadline, name="gangrun-preempt", daemon=True).start()
+    sup.wait(wait)
+    return True
+
+
+def preempted_error(rundir: RunDir, world: int, run_id: str, fn_name: str) -> Any:
+    """The call's DistributedPreemptedError when its ranks stopped after saving, else None."""
+    records = {}
+    for r in range(world):
+        try:
+            with open(rundir.stopped(r)) as f:
+                records[r] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    first = records[min(records)]
+    step, ckpt, mlflow_id = first.get("step"), first.get("checkpoint"), first.get("mlflow_run_id")
+    if mlflow_id:
+        line = f"{fn_name}.options(run_id={mlflow_id!r}).distributed(...)"
+    else:
+        root = str(ckpt).rsplit("/", 1)[0]
+        line = f"{fn_name}.options(checkpoint_dir={root!r}).distributed(...)"
+    return DistributedPreemptedError(
+        f"{fn_name} was preempted: every rank saved step {step} to {ckpt} and stopped. "
+        f"Resume it with:\n    {line}",
+        run_id=run_id,
+        checkpoint=ckpt,
+        step=step,
+        mlflow_run_id=mlflow_id,
+        resume=line,
+    )
+
+
+_previous: Any = None
+_sigterm_installed = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    from . import calls
+
+    global _sigterm_installed
+    signal.signal(signal.SIGTERM, _previous if _previous is not None else signal.SIG_DFL)
+    _sigterm_installed = False  # a second SIGTERM: the previous behaviour (stop now)
+    live = calls.active()
+    ckpt = [c for c in live if getattr(c, "_ckpt_env", None)]
+    if not ckpt:
+        if callable(_previous):
+            _previous(signum, frame)
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+    print("gangrun: SIGTERM: the ranks checkpoint and stop (send it again to stop now).")
+    for c in live:
+        if c in ckpt:
+            threading.Thread(target=c.cancel, args=("preempted", 0.0, True), daemon=True).start()
+        else:
+            c.cancel("stopped by SIGTERM", wait=0.0)
+
+
+def install_sigterm() -> None:
+    """The caller's SIGTERM handler while calls with checkpoints run (main thread only)."""
+    global _previous, _sigterm_installed
+    if _sigterm_installed:
+        return
+    _previous = signal.getsignal(signal.SIGTERM)
+    if _previous is _on_sigterm:
+        _previous = None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_installed = True
+
+
+__all__ = ["prepare", "check_writable", "request_stop", "preempted_error", "install_sigterm"]
