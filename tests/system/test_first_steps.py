@@ -109,7 +109,7 @@ def _source_tags(tmp_path, script) -> dict[str, str]:
 
 
 def test_cli_run_source_is_the_users_script_not_gangrun(tmp_path):
-    # the commit of a script's own repository: tests/unit/test_first_steps.py
+    # the commit of a script's own repository: tests/unit/test_first_steps_units.py
     pytest.importorskip("git")
     loose = tmp_path / "loose"  # in no git repository
     loose.mkdir()
