@@ -29,6 +29,9 @@ Read by the caller (settings of the launch machinery, not per-call options):
 ``GANGRUN_RAY_PLACEMENT_TIMEOUT``   seconds to wait for the placement group (300)
 ``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
 ``GANGRUN_CACHE_DIR``               :mod:`gangrun.data`'s local file cache
+``GANGRUN_TRACKING_TIMEOUT``        seconds one tracking step of the caller may take
+                                    (create/resume the run, finish it; default 30):
+                                    past it the call goes on, untracked or unfinished
 ==================================  ======================================================
 
 Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (32 KiB of room in the server's environ
@@ -57,6 +60,7 @@ RAY_RUNTIME_ENV = "GANGRUN_RAY_RUNTIME_ENV"
 RAY_PLACEMENT_TIMEOUT = "GANGRUN_RAY_PLACEMENT_TIMEOUT"
 RAY_FORWARD_ENV = "GANGRUN_RAY_FORWARD_ENV"
 CACHE_DIR = "GANGRUN_CACHE_DIR"
+TRACKING_TIMEOUT = "GANGRUN_TRACKING_TIMEOUT"
 ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 
 # Every variable above that a rank inherits from its caller and that names *this* call:
