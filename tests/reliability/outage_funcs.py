@@ -47,3 +47,41 @@ def quick(x: int) -> int:
     import os
 
     return x + int(os.environ["RANK"])
+
+
+def reports_pid_and_sleeps(flags: str) -> int:
+    """Writes ``pid.<rank>`` and sleeps (bounded): a call to kill things under."""
+    import os
+    import time
+
+    rank = int(os.environ["RANK"])
+    path = os.path.join(flags, f"pid.{rank}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(60)
+    return rank
+
+
+def returns_bytes(n: int) -> bytes:
+    """A return value of ``n`` bytes (the result file needs that much room)."""
+    return b"r" * n
+
+
+def fills_then_raises() -> int:
+    """Rank 1 fills the disk of its run directory, then raises: its error record has no room
+    left. Rank 0 waits (bounded) to be stopped."""
+    import os
+    import time
+
+    if int(os.environ["RANK"]) == 1:
+        with open(os.path.join(os.environ["GANGRUN_RUN_DIR"], "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        raise RuntimeError("rank 1 gives up " + "x" * 100000)  # a record too big to fit
+    time.sleep(60)
+    return 0
