@@ -334,7 +334,12 @@ def _why(s: _Stream, exc: BaseException) -> str:
     """Why a rank's log file could not be written: a full disk named as such."""
     from .diskspace import full_message, is_full
 
-    name = getattr(s.log, "name", None)
-    if is_full(exc) and isinstance(name, str):
-        return full_message("the rank's output", name, exc)
-    return str(exc)
+    if not is_full(exc):
+        return str(exc)
+    try:
+        name = os.readlink(f"/proc/self/fd/{s.log.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        name = getattr(s.log, "name", None)
+    if not isinstance(name, str):
+        return str(exc)
+    return full_message("the rank's output", name, exc)

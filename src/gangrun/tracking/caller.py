@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import LaunchError
@@ -100,11 +101,14 @@ class Tracker:
             )
             return None
         half: list[Tracker] = []  # the run once created, to end it if the set-up fails
+        # the caller's active fluent run is thread-local in MLflow: read here, not in setup()
+        active = mlflow.active_run()
+        fluent = SimpleNamespace(active_run=lambda: active)
 
         def setup() -> Tracker:
             try:
                 client = MlflowClient(tracking_uri=uri)
-                plan = plan_run(opts, info, mlflow, client, uri)
+                plan = plan_run(opts, info, fluent, client, uri)
                 tracker = cls._open(client, plan, info, half)
                 tracker._log_params(info, plan)
                 if resolve_log_system_metrics(opts, info):

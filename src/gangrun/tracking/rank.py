@@ -111,16 +111,16 @@ class RankRuns:
         mlflow = sys.modules.get("mlflow")
         if mlflow is None:
             return
-        names = ["flush_async_logging"]
-        try:  # it starts a run when none is active (a request; a new run with mlflow=False)
-            if mlflow.active_run() is not None:
-                names.append("flush_artifact_async_logging")
-        except Exception as exc:
-            log.debug("no active MLflow run to flush artifacts of: %s", exc)
-        for name in names:
-            fn = getattr(mlflow, name, None)
-            if fn is not None:
-                _bounded_flush(fn, name)
+        flush = getattr(mlflow, "flush_async_logging", None)
+        if flush is not None:  # metrics, params, tags: bounded in time (see module doc)
+            _bounded_flush(flush, "flush_async_logging")
+        try:
+            # In this thread: it reads the thread-local active run, and starts one when there
+            # is none (a request; a new run with mlflow=False), so only with a run active.
+            if mlflow.active_run() is not None and hasattr(mlflow, "flush_artifact_async_logging"):
+                mlflow.flush_artifact_async_logging()
+        except Exception as exc:  # the data is lost either way; the rank still exits
+            log.warning("MLflow flush_artifact_async_logging failed in the rank: %s", exc)
         status = "FINISHED" if succeeded else "FAILED"
         for _ in range(100):  # bounded: a run that refuses to end must not hang the exit
             try:
