@@ -13,12 +13,12 @@ import textwrap
 import time
 
 import pytest
-from mlflow_server import MlflowServer, free_port
 from outage_funcs import logs_through_an_outage, quick, waits_for
 
 import gangrun
 from conftest import assert_no_survivors
 from gangrun import LaunchError
+from mlflow_server import MlflowServer, free_port
 
 mlflow = pytest.importorskip("mlflow")
 pytestmark = pytest.mark.slow
@@ -150,32 +150,37 @@ def test_item5_resuming_a_run_in_use_is_refused_before_any_rank_starts(tmp_path,
     assert "gangrun.lease" not in run.data.tags
 
 
-def test_item5_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
-    """The first caller dies (a kernel SIGKILLed): nobody removed its lease; resuming works."""
-    flag = tmp_path / "never"
+def _another_caller(script, tmp_path, flag, then: str):
+    """A caller subprocess whose call waits for ``flag``; then it runs ``then``. Returns the
+    process and its call's MLflow run id, once the run exists."""
     ready = tmp_path / "run_id"
     code = f"""
-    import sys, time
+    import os, sys, time
     sys.path.insert(0, {os.path.dirname(__file__)!r})
     import gangrun
-    from outage_funcs import logs_through_an_outage, quick, waits_for
+    from outage_funcs import waits_for
     h = gangrun.distributed(processes=2, timeout=120)(waits_for).submit({str(flag)!r})
     with open({str(ready)!r} + ".tmp", "w") as f:
         f.write(h.mlflow_run_id)
-    import os
     os.rename({str(ready)!r} + ".tmp", {str(ready)!r})
-    time.sleep(120)
+    {then}
     """
     proc = script(textwrap.dedent(code))
     try:
         _wait_for([ready], proc=proc)
-        run_id = ready.read_text()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, ready.read_text()
+
+
+def test_item5_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
+    """The first caller dies (a kernel SIGKILLed): nobody removed its lease; resuming works."""
+    flag = tmp_path / "never"
+    proc, run_id = _another_caller(script, tmp_path, flag, "time.sleep(120)")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
     assert_no_survivors(proc.pid, wait=15.0)
     client = mlflow.MlflowClient()
     run = client.get_run(run_id)
@@ -188,22 +193,8 @@ def test_item5_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
 
 def test_item5_a_live_call_in_another_process_is_named(tmp_path, script):
     flag = tmp_path / "go"
-    ready = tmp_path / "run_id"
-    code = f"""
-    import sys, os
-    sys.path.insert(0, {os.path.dirname(__file__)!r})
-    import gangrun
-    from outage_funcs import logs_through_an_outage, quick, waits_for
-    h = gangrun.distributed(processes=2, timeout=120)(waits_for).submit({str(flag)!r})
-    with open({str(ready)!r} + ".tmp", "w") as f:
-        f.write(h.mlflow_run_id)
-    os.rename({str(ready)!r} + ".tmp", {str(ready)!r})
-    print(h.result(timeout=100))
-    """
-    proc = script(textwrap.dedent(code))
+    proc, run_id = _another_caller(script, tmp_path, flag, "print(h.result(timeout=100))")
     try:
-        _wait_for([ready], proc=proc)
-        run_id = ready.read_text()
         fn = gangrun.distributed(processes=2, timeout=60, run_id=run_id)(waits_for)
         with pytest.raises(LaunchError, match=rf"in use by a running call .*pid {proc.pid}\)"):
             fn.submit(str(flag))

@@ -72,8 +72,13 @@ def probe(uri: str, timeout: float = PROBE_TIMEOUT) -> str | None:
         # It answered: a proxy or an auth layer in front of it; MLflow's own requests decide.
         log.debug("%s answered %s: treated as reachable", url, exc.code)
         return None
-    except Exception as exc:  # refused, timed out, no route, bad certificate...
+    except Exception as exc:  # refused, timed out, no route...
         reason = getattr(exc, "reason", None) or exc
+        import ssl
+
+        if isinstance(reason, ssl.SSLError):  # it answered; MLflow's own TLS settings decide
+            log.debug("%s: TLS error %s: treated as reachable", url, reason)
+            return None
         return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
 
 

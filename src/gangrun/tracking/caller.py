@@ -257,11 +257,15 @@ class Tracker:
                 return
             except TrackingTimeout as exc:
                 why = str(exc)
+        where = (
+            f"the tracking server {self.tracking_uri} cannot be reached"
+            if is_server(self.tracking_uri)
+            else f"the tracking store {self.tracking_uri} did not answer in time"
+        )
         _note(
             self._stream or sys.stderr,
-            f"gangrun: the MLflow run {self.run_id} could not be finished: the tracking server "
-            f"{self.tracking_uri} cannot be reached ({why}); it stays RUNNING there. The "
-            "call's results are not affected.",
+            f"gangrun: the MLflow run {self.run_id} could not be finished: {where} ({why}); "
+            "it stays RUNNING there. The call's results are not affected.",
         )
 
     def _finish(self, status: str, error: BaseException | None, log_files: dict[int, str]) -> None:
