@@ -336,6 +336,7 @@ def _why(s: _Stream, exc: BaseException) -> str:
 
     if not is_full(exc):
         return str(exc)
+    name: object
     try:
         name = os.readlink(f"/proc/self/fd/{s.log.fileno()}")
     except (OSError, ValueError, AttributeError):
