@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from types import SimpleNamespace
@@ -257,6 +258,10 @@ class Tracker:
                 return
             except TrackingTimeout as exc:
                 why = str(exc)
+        if self._monitor is not None:  # stop its sampling; its last request ends on its own
+            threading.Thread(
+                target=self._monitor.finish, name="gangrun-tracking-sysmetrics", daemon=True
+            ).start()
         where = (
             f"the tracking server {self.tracking_uri} cannot be reached"
             if is_server(self.tracking_uri)
