@@ -30,7 +30,7 @@ Read by the caller (settings of the launch machinery, not per-call options):
 ``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
 ``GANGRUN_CACHE_DIR``               :mod:`gangrun.data`'s local file cache
 ``GANGRUN_TRACKING_TIMEOUT``        seconds one tracking step of the caller may take
-                                    (create/resume the run, finish it; default 30):
+                                    (create/resume the run, finish it; default 60):
                                     past it the call goes on, untracked or unfinished
 ==================================  ======================================================
 

@@ -79,10 +79,11 @@ def test_item2_server_not_running_at_start_runs_untracked_at_once(monkeypatch, c
 def test_item1_finish_requests_are_bounded_when_the_server_hangs(server, tmp_path, capsys):
     """A server that accepts but never answers (SIGSTOPped): the finishing requests are
     given up after GANGRUN_TRACKING_TIMEOUT, with the same one-line note."""
-    os.environ["GANGRUN_TRACKING_TIMEOUT"] = "5"
+    fn = gangrun.distributed(processes=2, timeout=90)(quick)
+    handle = fn.submit(0)
+    assert handle.mlflow_run_id, "the call is not tracked: nothing to prove"
+    os.environ["GANGRUN_TRACKING_TIMEOUT"] = "5"  # read when the run is finished
     try:
-        fn = gangrun.distributed(processes=2, timeout=90)(quick)
-        handle = fn.submit(0)
         assert server.proc is not None
         os.killpg(server.proc.pid, signal.SIGSTOP)
         try:

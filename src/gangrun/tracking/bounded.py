@@ -9,7 +9,7 @@ server that is not running must not hold up ``submit()``. So, for an ``http(s)``
   before the run is created and before it is finished: a refused or silent server is known in
   seconds, and no MLflow request is made to it at all;
 * :func:`bounded` runs a sequence of MLflow requests in a helper thread and waits at most
-  ``GANGRUN_TRACKING_TIMEOUT`` seconds (default 30) for it: past that the caller moves on (the
+  ``GANGRUN_TRACKING_TIMEOUT`` seconds (default 60) for it: past that the caller moves on (the
   thread, a daemon, ends when MLflow's own retries do);
 * :class:`HealthWatch` probes the server while the ranks run and says once, in one line, when
   it went away: the metrics the ranks log from then on are lost (they keep training).
@@ -32,7 +32,7 @@ from .. import contract
 log = logging.getLogger("gangrun.tracking")
 
 T = TypeVar("T")
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = 60.0
 PROBE_TIMEOUT = 3.0
 WATCH_INTERVAL = 2.0
 
@@ -42,7 +42,7 @@ class TrackingTimeout(TimeoutError):
 
 
 def timeout_s() -> float:
-    """``GANGRUN_TRACKING_TIMEOUT`` (seconds per tracking step), default 30."""
+    """``GANGRUN_TRACKING_TIMEOUT`` (seconds per tracking step), default 60."""
     raw = os.environ.get(contract.TRACKING_TIMEOUT, "")
     try:
         value = float(raw) if raw.strip() else DEFAULT_TIMEOUT
