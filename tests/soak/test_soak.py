@@ -637,6 +637,13 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
             base = Baseline(str(private_tmp))  # report each leak once
             if os.environ.get("GANGRUN_SOAK_FIRST_FAILURE"):  # debugging: stop at the first
                 break
+        if counts["runs"] % 50 == 0:  # progress (with -s): a long soak shows where it is
+            with capsys.disabled():
+                print(
+                    f"soak: {counts['runs']} runs, {counts['failed']} failed, "
+                    f"{time.monotonic() - t0:.0f}s",
+                    flush=True,
+                )
     elapsed = time.monotonic() - t0
     with capsys.disabled():
         by_kind: collections.Counter = collections.Counter()
