@@ -75,13 +75,18 @@ def fills_then_raises() -> int:
     import time
 
     if int(os.environ["RANK"]) == 1:
-        with open(os.path.join(os.environ["GANGRUN_RUN_DIR"], "filler"), "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        fd = os.open(
+            os.path.join(os.environ["GANGRUN_RUN_DIR"], "filler"), os.O_WRONLY | os.O_CREAT
+        )
+        size = 0
+        try:  # block by block until the disk says no (tmpfs undoes a failed fallocate)
+            while size < 1 << 30:
+                os.posix_fallocate(fd, size, 1 << 14)
+                size += 1 << 14
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
         raise RuntimeError("rank 1 gives up " + "x" * 100000)  # a record too big to fit
     time.sleep(60)
     return 0
