@@ -41,6 +41,9 @@ Read by the caller (settings of the launch machinery, not per-call options):
                                     report) before a rank is marked silent (120)
 ``GANGRUN_LOG_LEVEL``               gangrun's own diagnostics (`gangrun._log`);
                                     ``DEBUG`` narrates each call's lifecycle
+``GANGRUN_TRACKING_TIMEOUT``        seconds one tracking step of the caller may take
+                                    (create/resume the run, finish it; default 60):
+                                    past it the call goes on, untracked or unfinished
 ==================================  ======================================================
 
 Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (32 KiB of room in the server's environ
@@ -73,6 +76,7 @@ CACHE_DIR = "GANGRUN_CACHE_DIR"
 SLOW_AFTER = "GANGRUN_SLOW_AFTER"
 SILENT_AFTER = "GANGRUN_SILENT_AFTER"
 LOG_LEVEL = "GANGRUN_LOG_LEVEL"
+TRACKING_TIMEOUT = "GANGRUN_TRACKING_TIMEOUT"
 ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 
 # Every variable above that a rank inherits from its caller and that names *this* call:

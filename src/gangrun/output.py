@@ -186,7 +186,7 @@ class OutputPump:
         except Exception as exc:  # a full disk must not stop the live output
             if not s.log_failed:
                 s.log_failed = True
-                logger.warning("rank %d: its log file is incomplete: %s", s.rank, exc)
+                logger.warning("rank %d: its log file is incomplete: %s", s.rank, _why(s, exc))
         self._feed(s, s.decoder.decode(data))
 
     # -- text handling -----------------------------------------------------------------
@@ -328,3 +328,19 @@ class OutputPump:
             if not tgt.failed:
                 tgt.failed = True
                 logger.debug("rank output could not be shown: %r", exc)
+
+
+def _why(s: _Stream, exc: BaseException) -> str:
+    """Why a rank's log file could not be written: a full disk named as such."""
+    from .diskspace import full_message, is_full
+
+    if not is_full(exc):
+        return str(exc)
+    name: object
+    try:
+        name = os.readlink(f"/proc/self/fd/{s.log.fileno()}")
+    except (OSError, ValueError, AttributeError):
+        name = getattr(s.log, "name", None)
+    if not isinstance(name, str):
+        return str(exc)
+    return full_message("the rank's output", name, exc)

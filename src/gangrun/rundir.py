@@ -100,9 +100,13 @@ class RunDir:
                 pass  # a rank's own clean-up got there first
 
     def write_context(self, ctx: RankContext) -> None:
-        fd = os.open(self.context, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(ctx.to_json())
+        try:
+            fd = os.open(self.context, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(ctx.to_json())
+        except OSError as exc:
+            _raise_if_full("the call's context", self.context, exc)
+            raise
 
     def read_context(self) -> RankContext:
         with open(self.context) as f:
@@ -115,7 +119,11 @@ class RunDir:
 def create(run_id: str, log_dir: str | None) -> RunDir:
     """Make a fresh private run directory (0700) and its log directory. On failure nothing
     is left behind."""
-    path = tempfile.mkdtemp(prefix=f"gangrun-{run_id}-")
+    try:
+        path = tempfile.mkdtemp(prefix=f"gangrun-{run_id}-")
+    except OSError as exc:
+        _raise_if_full("the run directory", tempfile.gettempdir(), exc)
+        raise
     try:
         os.chmod(path, 0o700)
         from .security import make_private_dir
@@ -170,6 +178,16 @@ def reap_stale(tmp: str | None = None, *, force: bool = False) -> list[str]:
     if removed:
         log.debug("removed stale run directories %s", removed)
     return removed
+
+
+def _raise_if_full(what: str, path: str, exc: OSError) -> None:
+    """A run-directory file the caller could not write for want of room: a
+    [`LaunchError`][gangrun.errors.LaunchError] that says so (other errors are left as they are)."""
+    from .diskspace import full_message, is_full
+    from .errors import LaunchError
+
+    if is_full(exc):
+        raise LaunchError("gangrun " + full_message(what, path, exc)) from exc
 
 
 def log_path(log_dir: str, rank: int) -> str:

@@ -28,6 +28,14 @@ class _TooLarge(Exception):
     pass
 
 
+class _WriteFailed(Exception):
+    """Writing the pickled bytes to the file failed (its disk, not the object)."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
 class _CountingWriter(io.RawIOBase):
     """A file-like sink that counts bytes, forwards them, and stops past ``limit``."""
 
@@ -45,7 +53,10 @@ class _CountingWriter(io.RawIOBase):
         if self.limit is not None and self.count > self.limit:
             raise _TooLarge
         if self.inner is not None:
-            self.inner.write(b)
+            try:
+                self.inner.write(b)
+            except OSError as exc:
+                raise _WriteFailed(exc) from exc
         return n
 
 
@@ -123,25 +134,38 @@ def write_payload(
     Raises [`LaunchError`][gangrun.errors.LaunchError] naming the object that cannot be serialized, or the largest
     captured objects when the payload is over ``max_bytes``.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as raw:
-        sink = _CountingWriter(raw, max_bytes)  # type: ignore[arg-type]
-        buffered = io.BufferedWriter(sink, buffer_size=1 << 20)
-        try:
-            _cloudpickle().dump((fn, args, kwargs), buffered, protocol=PROTOCOL)
-            buffered.flush()
-        except _TooLarge:
-            raise _too_large(fn, args, kwargs, max_bytes or 0) from None
-        except LaunchError:
-            raise
-        except Exception as exc:
-            raise _unpicklable(fn, args, kwargs, exc) from exc
-        finally:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as raw:
+            sink = _CountingWriter(raw, max_bytes)  # type: ignore[arg-type]
+            buffered = io.BufferedWriter(sink, buffer_size=1 << 20)
             try:
-                buffered.detach()
-            except Exception:
-                pass  # the size probe is done; a writer that will not detach holds nothing
+                _cloudpickle().dump((fn, args, kwargs), buffered, protocol=PROTOCOL)
+                buffered.flush()
+            except _TooLarge:
+                raise _too_large(fn, args, kwargs, max_bytes or 0) from None
+            except (LaunchError, _WriteFailed):
+                raise
+            except Exception as exc:
+                raise _unpicklable(fn, args, kwargs, exc) from exc
+            finally:
+                try:
+                    buffered.detach()
+                except Exception:
+                    pass  # the size probe is done; a writer that will not detach holds nothing
+    except _WriteFailed as failed:
+        raise _not_written(path, failed.exc) from failed.exc
+    except OSError as exc:  # opening it, or the last bytes flushed at close
+        raise _not_written(path, exc) from exc
     return sink.count
+
+
+def _not_written(path: str, exc: OSError) -> LaunchError:
+    from . import diskspace
+
+    if diskspace.is_full(exc):
+        return LaunchError("gangrun " + diskspace.full_message("the call's payload", path, exc))
+    return LaunchError(f"gangrun could not write the call's payload to {path}: {exc}")
 
 
 def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> LaunchError:

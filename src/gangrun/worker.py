@@ -149,12 +149,26 @@ def _error_record(
 def _write_error(run_dir: str, rank: int, record: ErrorRecord) -> None:
     from dataclasses import replace
 
-    from . import serialization
+    from . import diskspace, serialization
 
+    path = error_path(run_dir, rank)
     try:
-        serialization.atomic_dump(record, error_path(run_dir, rank))
-    except Exception:  # the exception itself would not pickle: keep the text only
-        serialization.atomic_dump(replace(record, exc=None), error_path(run_dir, rank))
+        try:
+            serialization.atomic_dump(record, path)
+        except OSError:
+            raise
+        except Exception:  # the exception itself would not pickle: keep the text only
+            serialization.atomic_dump(replace(record, exc=None), path)
+    except OSError as exc:  # no room (or no directory): the caller judges by the exit code
+        what = (
+            diskspace.full_message("its error record", path, exc)
+            if diskspace.is_full(exc)
+            else f"could not write its error record {path}: {exc}"
+        )
+        try:
+            print(f"gangrun: rank {rank} {what}", file=sys.stderr)
+        except Exception:  # stderr gone too: the exit code is all that is left
+            pass
 
 
 def _flush_and_exit(code: int) -> None:
@@ -229,6 +243,10 @@ def run_rank(run_dir: str, rank: int) -> int:
     try:
         serialization.atomic_dump(result, result_path(run_dir, rank))
     except BaseException as exc:
+        from . import diskspace
+
+        if diskspace.is_full(exc):  # the run directory's disk, not the value
+            return _result_not_written(run_dir, rank, exc)
         msg = (
             f"rank {rank} returned a value that cannot be serialized "
             f"({type(result).__module__}.{type(result).__qualname__}): "
@@ -243,6 +261,23 @@ def run_rank(run_dir: str, rank: int) -> int:
         _write_error(run_dir, rank, replace(rec, exc_type="ResultSerializationError"))
         return 1
     return 0
+
+
+def _result_not_written(run_dir: str, rank: int, exc: BaseException) -> int:
+    """The result could not be written: no room on the run directory's disk. The error says
+    so, names the directory, and keeps the ``OSError`` as its cause."""
+    from dataclasses import replace
+
+    from . import diskspace
+
+    msg = f"rank {rank} " + diskspace.full_message("its result", run_dir, exc)
+    try:
+        print(msg, file=sys.stderr)
+    except Exception:  # stderr gone: the error record below still reaches the caller
+        pass
+    rec = _error_record(rank, exc, _format_tb(exc))
+    _write_error(run_dir, rank, replace(rec, message=msg))
+    return 1
 
 
 def main() -> None:

@@ -14,6 +14,12 @@ can raise), ``sigkill``, ``sigsegv``, ``hang``; and for caller-side faults (``in
 ``cancel``, ``caller_kill``, ``caller_forks``) no rank fails: every rank does its work and
 then waits.
 
+Outage kinds (issue 24): ``tracking_killed`` (the call's MLflow tracking server is SIGKILLed
+while the ranks log metrics: they keep training, the results come back at once) and
+``disk_full`` (the run directory is on a small tmpfs: the victim's result does not fit
+(point ``result``), or it fills the disk and raises (``record``: no room for its error
+record), or the payload itself does not fit (``payload``)).
+
 Scenario kinds (no ``point``): ``long_line`` (the victim writes a long line without a newline,
 then raises), ``native_printf`` (every rank prints through C ``printf``, which must arrive),
 ``concurrent_env`` (two calls at once with different start-up environments: both succeed),
@@ -34,6 +40,8 @@ import time
 RANK_KINDS = ("exception", "exit", "sigkill", "sigsegv", "hang")
 CALLER_KINDS = ("interrupt", "cancel", "caller_kill", "caller_forks")
 SCENARIO_KINDS = ("long_line", "native_printf", "concurrent_env", "early_exit0", "resume")
+OUTAGE_KINDS = ("tracking_killed", "disk_full")
+DISK_POINTS = ("result", "record", "payload")
 OPTIONAL_KINDS: tuple[str, ...] = ()  # kinds drawn only when named in GANGRUN_SOAK_KINDS
 CHEAP_POINTS = ("startup", "print", "checkpoint", "return")
 TORCH_POINTS = ("before_init", "collective")
@@ -117,10 +125,51 @@ def _scenario(plan: dict, rank: int, me: bool) -> object:
     raise AssertionError(f"unknown scenario {kind}")
 
 
+def _wait_file(path: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SoakFault(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def _outage(plan: dict, rank: int, me: bool) -> object:
+    if plan["kind"] == "tracking_killed":
+        import mlflow
+
+        flags = plan["flags"]
+        mlflow.log_metric(f"loss{rank}", 1.0, step=0)
+        mlflow.flush_async_logging()
+        open(os.path.join(flags, f"logged.{rank}"), "w").close()
+        _wait_file(os.path.join(flags, "killed"))
+        end, step = time.monotonic() + plan["delay"], 1
+        while time.monotonic() < end:  # training goes on, logging every step
+            mlflow.log_metric(f"loss{rank}", 1.0 / (step + 1), step=step)
+            step += 1
+            time.sleep(0.02)
+        return rank
+    if me and plan["point"] == "result":
+        return b"r" * plan["fill"]  # more than the disk holds
+    if me and plan["point"] == "record":
+        with open(os.path.join(os.environ["GANGRUN_RUN_DIR"], "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        raise SoakFault("no room left " + "x" * 200000)  # its record cannot fit
+    if plan["others"] == "sleep":
+        _wait_forever()
+    return rank
+
+
 def soak_rank(plan: dict) -> object:
     rank = int(os.environ["RANK"])
     me = rank == plan["victim"]
     kind, code, point = plan["kind"], plan["code"], plan["point"]
+    if kind in OUTAGE_KINDS:
+        return _outage(plan, rank, me)
     if kind in SCENARIO_KINDS + OPTIONAL_KINDS:
         return _scenario(plan, rank, me)
     caller_side = kind in CALLER_KINDS

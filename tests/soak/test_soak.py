@@ -32,7 +32,9 @@ import pytest
 from soak_faults import (
     CALLER_KINDS,
     CHEAP_POINTS,
+    DISK_POINTS,
     OPTIONAL_KINDS,
+    OUTAGE_KINDS,
     RANK_KINDS,
     SCENARIO_KINDS,
     TORCH_POINTS,
@@ -61,8 +63,8 @@ HERE = Path(__file__).resolve().parent
 def make_plan(seed: int, ckpt_dir: str) -> dict:
     rng = random.Random(seed)
     world = rng.choice([2, 2, 2, 3])
-    kinds = RANK_KINDS + CALLER_KINDS + SCENARIO_KINDS
-    weights = [16, 14, 14, 14, 8, 8, 8, 6, 3, 3, 3, 3, 3, 3]
+    kinds = RANK_KINDS + CALLER_KINDS + SCENARIO_KINDS + OUTAGE_KINDS
+    weights = [16, 14, 14, 14, 8, 8, 8, 6, 3, 3, 3, 3, 3, 3, 1, 4]
     optional = [k for k in OPTIONAL_KINDS if k in KINDS]  # off unless asked for by name
     kind = rng.choices(kinds + tuple(optional), weights=weights + [6] * len(optional), k=1)[0]
     point = rng.choices(CHEAP_POINTS + TORCH_POINTS, weights=[24, 20, 20, 18, 7, 11], k=1)[0]
@@ -70,6 +72,9 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
         point = "print"  # keep subprocess-caller runs cheap
     if kind in SCENARIO_KINDS + OPTIONAL_KINDS:
         point = "scenario"
+    outage_point = {"tracking_killed": "tracking", "disk_full": rng.choice(DISK_POINTS)}
+    if kind in OUTAGE_KINDS:
+        point = outage_point[kind]
     plan = {
         "seed": seed,
         "world": world,
@@ -102,6 +107,11 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
         # (measured: 1 ulp, 7.5e-9 on 0.04). Two ranks sum order-free (docs/long_runs.md).
         plan["world"] = 2
         plan["victim"] %= 2
+    if kind in OUTAGE_KINDS:
+        plan["fill"] = 8 << 20  # twice the soak's small disk
+        plan["flags"] = os.path.join(ckpt_dir, f"flags-{seed}")
+        # disk_full: the peers wait (a peer's own small result could meet the full disk too)
+        plan["others"] = "finish" if kind == "tracking_killed" else "sleep"
     if point == "scenario":
         plan["others"] = "finish" if kind in ("native_printf", "concurrent_env") else "sleep"
     if point in TORCH_POINTS:
@@ -113,6 +123,17 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
 # ------------------------------------------------------------------------ leak probes
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
+
+
+def _link(fd: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # closed since the listing: the listing's own fd
+        return None
+
+
+def _is_socket(fd: str) -> bool:
+    return (_link(fd) or "").startswith("socket:")
 
 
 def _listening() -> set[tuple]:
@@ -149,9 +170,20 @@ class Baseline:
         self.listen = _listening()
         self.threads = {t.ident for t in threading.enumerate()}
 
-    def leaks(self) -> list[str]:
+    def leaks(self, sockets_ok: bool = False) -> list[str]:
+        """What leaked since the baseline. ``sockets_ok``: after a tracked call, MLflow's
+        HTTP session keeps its pooled connections open (not the call's: the process's)."""
         out = []
-        fds = _settle(lambda: _fds() - self.fds)
+
+        def new_fds() -> set[str]:
+            # an fd gone by now is the listing's own (its number moves when a lower one is
+            # taken, e.g. by a pooled socket): never a leak
+            fds = {fd for fd in _fds() - self.fds if _link(fd) is not None}
+            if sockets_ok:
+                fds = {fd for fd in fds if not _is_socket(fd)}
+            return fds
+
+        fds = _settle(new_fds)
         if fds:
             desc = []
             for fd in sorted(fds):
@@ -454,6 +486,139 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
     return problem
 
 
+class Outages:
+    """What the outage kinds need, made on first use and always torn down: a real
+    ``mlflow server`` (restarted after each kill) and a small tmpfs for run directories."""
+
+    DISK = "4m"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.server = None
+        self.disk: str | None = None
+        self.disk_error: str | None = None
+
+    def tracking_server(self):
+        from mlflow_server import MlflowServer
+
+        if self.server is None or not self.server.alive():
+            self.server = MlflowServer(self.root / "mlflow-server").start()
+        return self.server
+
+    def small_disk(self) -> str | None:
+        import subprocess
+
+        if self.disk is None and self.disk_error is None:
+            mnt = self.root / "small-disk"
+            mnt.mkdir(exist_ok=True)
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={self.DISK},mode=0700", "tmpfs", str(mnt)],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode == 0:
+                self.disk = str(mnt)
+            else:
+                self.disk_error = done.stderr.strip() or f"mount exited {done.returncode}"
+        return self.disk
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.server is not None:
+            self.server.stop()
+        if self.disk is not None:
+            subprocess.run(["umount", "-l", self.disk], check=False)
+
+
+def _run_outage(plan: dict, outages: Outages, read_out) -> str | None:
+    kind, world = plan["kind"], plan["world"]
+    if kind == "tracking_killed":
+        import mlflow
+
+        server = outages.tracking_server()
+        os.makedirs(plan["flags"], exist_ok=True)
+        saved_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        os.environ["MLFLOW_TRACKING_URI"] = server.url
+        mlflow.set_tracking_uri(server.url)
+        try:
+            fn = gangrun.distributed(processes=world, timeout=120, grace_period=plan["grace"])(
+                soak_rank
+            )
+            handle = fn.submit(plan)
+            try:
+                deadline = time.monotonic() + 90
+                flags = [os.path.join(plan["flags"], f"logged.{r}") for r in range(world)]
+                while not all(os.path.exists(f) for f in flags):
+                    if handle.done() or time.monotonic() > deadline:
+                        return f"the ranks did not log their first metric: {handle.result(0)}"
+                    time.sleep(0.02)
+                server.kill()
+                open(os.path.join(plan["flags"], "killed"), "w").close()
+                got = handle.result(timeout=60)  # minutes in MLflow's retries before the fix
+            except BaseException as exc:
+                return f"tracking server killed mid-call: {type(exc).__name__}: {exc}"
+            finally:
+                run_id = handle.mlflow_run_id
+                del handle
+        finally:
+            mlflow.set_tracking_uri(None)
+            if saved_uri is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = saved_uri
+        if got != list(range(world)):
+            return f"returned {got}"
+        out = read_out()
+        if f"the MLflow run {run_id} could not be finished" not in out:
+            return f"no note that the run could not be finished: {out[-1500:]}"
+        if out.count("metrics the ranks log are being lost") > 1:
+            return f"told more than once that metrics are lost: {out[-1500:]}"
+        return None
+    disk = outages.small_disk()
+    assert disk is not None
+    saved_tmp = tempfile.tempdir
+    tempfile.tempdir = disk
+    fn = gangrun.distributed(
+        processes=world, mlflow=False, timeout=60, grace_period=plan["grace"], output="none"
+    )(soak_rank)
+    err: BaseException | None = None
+    try:
+        arg = dict(plan, pad=b"p" * plan["fill"]) if plan["point"] == "payload" else plan
+        got = fn.distributed(arg)
+        problem = f"the call returned {got!r:.200} although the disk was full"
+    except BaseException as exc:
+        err = exc
+    finally:
+        tempfile.tempdir = saved_tmp
+    if err is not None:
+        problem = _disk_full_problem(plan, err, disk)
+    del err
+    left = _settle(lambda: os.listdir(disk))
+    if left:
+        import shutil
+
+        for name in left:
+            shutil.rmtree(os.path.join(disk, name), ignore_errors=True)
+        problem = problem or f"left on the small disk: {left}"
+    return problem
+
+
+def _disk_full_problem(plan: dict, err: BaseException, disk: str) -> str | None:
+    msg, point = str(err), plan["point"]
+    if point == "payload":
+        if not isinstance(err, gangrun.LaunchError) or "payload: the disk of" not in msg:
+            return f"payload on a full disk: {type(err).__name__}: {msg[:800]}"
+        return None
+    if not isinstance(err, DistributedError) or err.rank != plan["victim"]:
+        return f"disk full ({point}) of rank {plan['victim']}: {type(err).__name__}: {msg[:800]}"
+    if disk not in msg or "is full" not in msg or "cannot be serialized" in msg:
+        return f"the error does not name the full disk {disk}: {msg[:800]}"
+    if point == "result" and not isinstance(err.__cause__, OSError):
+        return f"the cause is {err.__cause__!r}, not the OSError"
+    return None
+
+
 def _next_call_ok() -> str | None:
     fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(ok_rank)
     try:
@@ -477,6 +642,8 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
     caller_tmp = tmp_path / "caller_tmp"
     caller_tmp.mkdir()
 
+    outages = Outages(tmp_path)
+    request.addfinalizer(outages.close)
     _next_call_ok()  # warm: imports, first-call costs out of the baseline
     base = Baseline(str(private_tmp))
     counts: collections.Counter = collections.Counter()
@@ -487,10 +654,16 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
         plan = make_plan(BASE_SEED + i, str(ckpt))
         if KINDS and plan["kind"] not in KINDS:
             continue
+        if plan["kind"] == "disk_full" and outages.small_disk() is None:
+            counts[("disk_full_unmountable", plan["point"])] += 1  # not root: unit-tested
+            continue
         started = time.monotonic()
         try:
             if plan["kind"] in ("caller_kill", "caller_forks"):
                 problem = _run_caller_kill(plan, str(caller_tmp))
+            elif plan["kind"] in OUTAGE_KINDS:
+                capsys.readouterr()
+                problem = _run_outage(plan, outages, lambda: capsys.readouterr().out)
             else:
                 capsys.readouterr()
                 problem = _run_in_process(plan, lambda: capsys.readouterr().out)
@@ -502,7 +675,9 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
             nxt = _next_call_ok()
             if nxt:
                 problems.append(nxt)
-            problems += base.leaks()
+            problems += base.leaks(sockets_ok=plan["kind"] == "tracking_killed")
+            if plan["kind"] == "tracking_killed":  # its pooled connection stays open
+                base = Baseline(str(private_tmp))
         except BaseException as exc:  # the soak itself must report, not die
             problems = [f"soak harness error: {type(exc).__name__}: {exc}"]
         label = plan["kind"]
@@ -519,8 +694,17 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
                 + " | ".join(problems)
             )
             base = Baseline(str(private_tmp))  # report each leak once
+            with capsys.disabled():  # at once too: a long soak cut short still tells
+                print("FAILED", failures[-1], flush=True)
             if os.environ.get("GANGRUN_SOAK_FIRST_FAILURE"):  # debugging: stop at the first
                 break
+        if counts["runs"] % 50 == 0:  # progress (with -s): a long soak shows where it is
+            with capsys.disabled():
+                print(
+                    f"soak: {counts['runs']} runs, {counts['failed']} failed, "
+                    f"{time.monotonic() - t0:.0f}s",
+                    flush=True,
+                )
     elapsed = time.monotonic() - t0
     with capsys.disabled():
         by_kind: collections.Counter = collections.Counter()

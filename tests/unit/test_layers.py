@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "gangrun.platform": PLATFORM,
     "gangrun.version": PLATFORM,
     "gangrun.exitcodes": PLATFORM,
+    "gangrun.diskspace": PLATFORM,  # a full disk said as such (rank side too)
     "gangrun.options": PLATFORM,  # the typed settings record every layer reads
     "gangrun._log": PLATFORM,
     "gangrun._compat_imports": PLATFORM,

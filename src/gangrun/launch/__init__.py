@@ -62,6 +62,8 @@ class RankExit:
     rank: int
     exitcode: int
     time: float  # time.time() when the exit was observed
+    # set when the launch machinery itself lost the rank (its fork server died): why, in words
+    lost: str | None = None
 
 
 class RankIO:
@@ -81,6 +83,8 @@ class RankProcess(Protocol):
     """One started rank, whatever started it (cf. CPython's ``multiprocessing`` Popen)."""
 
     pid: int
+    # Optional attribute ``lost: str | None``, read after wait(): set when the launcher itself
+    # lost the rank (a dead fork server), see RankExit.lost.
 
     def wait(self) -> int:
         """Block until the rank ended; its exit code (``-N``: killed by signal ``N``). Called

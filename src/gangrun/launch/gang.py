@@ -163,7 +163,7 @@ class ProcessGang:
             log.exception("waiting for rank %d failed", rank)
             code = -signal.SIGKILL
         self._done[rank].set()
-        self.events.put(RankExit(rank, code, time.time()))
+        self.events.put(RankExit(rank, code, time.time(), getattr(proc, "lost", None)))
 
     # -- state and teardown -----------------------------------------------------------
     def alive(self) -> list[int]:

@@ -7,12 +7,12 @@ import logging
 import os
 from typing import Any
 
-from .. import security
+from .. import diskspace, security
 from ..errors import DistributedError
 from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
 from ..rundir import RunDir
-from .rootcause import Candidate, build_error, exit_failed, failure_of, pick
+from .rootcause import Candidate, build_error, exit_failed, failure_of, is_peer_echo, pick
 
 log = logging.getLogger("gangrun.lifecycle.collect")
 
@@ -70,9 +70,13 @@ class RankFiles:
                 failures[rank] = failure_of(c)  # raised during the teardown: kept, not blamed
             elif rec is None and ev.exitcode != 0 and c.time <= teardown_at + late_window:
                 late.append(c)
+        lost = sorted(r for r, ev in exits.items() if ev.lost and self.record(r) is None)
+        if lost and all(c.rank in lost or is_peer_echo(c.record) for c in candidates):
+            # gangrun's own machinery died under the ranks: no rank is the cause
+            return self._launcher_lost(exits, lost, failures)
         cause = pick(candidates, late)
         failures.setdefault(cause.rank, failure_of(cause))
-        return build_error(
+        err = build_error(
             cause,
             dict(sorted(failures.items())),
             world_size=self.world_size,
@@ -81,6 +85,31 @@ class RankFiles:
             log_dir=self.rundir.logs,
             run_id=self.run_id,
         )
+        if cause.record is None and diskspace.looks_full(self.rundir.path):
+            head, sep, rest = str(err).partition("\n")
+            note = (
+                f"It left no error record: the disk of its run directory {self.rundir.path} is "
+                f"full ({diskspace.free_bytes(self.rundir.path)} bytes free). Free space there, "
+                "or point TMPDIR (where run directories go) at a disk with room."
+            )
+            err.args = (f"{head}\n{note}{sep}{rest}",)
+        return err
+
+    def _launcher_lost(
+        self, exits: dict[int, RankExit], lost: list[int], failures: dict[int, RankFailure]
+    ) -> DistributedError:
+        why = next(ev.lost for ev in exits.values() if ev.lost)
+        others = sorted(r for r in range(self.world_size) if r not in lost)
+        stopped = f" The other rank(s) {others} were stopped." if others else ""
+        msg = (
+            f"{why[:1].upper()}{why[1:]} while the call was running: rank(s) {lost} were "
+            f"stopped with it.{stopped} No rank failed on its own: the launcher that started "
+            "the ranks died, not your code (was it killed, e.g. by the out-of-memory killer? "
+            'check `dmesg`). The next call starts a new fork server; start_method="spawn" '
+            f"starts ranks as fresh interpreters instead. Logs: the files in {self.rundir.logs}"
+        )
+        own = {r: f for r, f in failures.items() if r not in lost}
+        return DistributedError(msg, run_id=self.run_id, failures=own)
 
     def collect(self) -> list[Any]:
         """Every rank's return value, rank-ordered (``None`` for a rank that ended with

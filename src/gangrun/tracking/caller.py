@@ -18,12 +18,16 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import LaunchError
+from . import lease
+from .bounded import HealthWatch, TrackingTimeout, bounded, is_server, probe
 from .plan import RunPlan, context_tags, plan_run, resolve_log_system_metrics, scalar_str
 from .plan import resolve_tracking_uri as resolve_tracking_uri
 from .plan import run_link as run_link
@@ -56,6 +60,9 @@ class Tracker:
         self.resume_number = 0  # 0: a run of its own; N: the Nth call that resumed this run
         self._monitor: Any = None
         self._finished = False
+        self.call_id = ""  # the gangrun call holding the run's lease (tracking/lease.py)
+        self._stream: Any = None  # where the link was printed: the finishing note goes there
+        self._watch: HealthWatch | None = None
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -87,27 +94,43 @@ class Tracker:
                 "(pip install mlflow, or pass mlflow=False to silence this).",
             )
             return None
-        tracker: Tracker | None = None
+        uri = resolve_tracking_uri(mlflow.get_tracking_uri())
+        why = probe(uri)  # a server that is not running: known in seconds, no MLflow retries
+        if why is not None:
+            _note(
+                stdout,
+                f"gangrun: MLflow tracking is off for this call, the tracking server {uri} "
+                f"cannot be reached ({why}).",
+            )
+            return None
+        half: list[Tracker] = []  # the run once created, to end it if the set-up fails
+        # the caller's active fluent run is thread-local in MLflow: read here, not in setup()
+        active = mlflow.active_run()
+        fluent = SimpleNamespace(active_run=lambda: active)
+
+        def setup() -> Tracker:
+            try:
+                with quiet_store():  # MLflow's INFO lines on a new store stay out of the cell
+                    client = MlflowClient(tracking_uri=uri)
+                    plan = plan_run(opts, info, fluent, client, uri)
+                    tracker = cls._open(client, plan, info, half)
+                tracker._log_params(info, plan)
+                if resolve_log_system_metrics(opts, info):
+                    tracker._start_system_metrics(stdout)
+                return tracker
+            except BaseException as exc:
+                if half:  # half set up (or interrupted): do not leave it RUNNING
+                    _end_half(half[0], exc)
+                raise
+
+        def too_late(tracker: Tracker) -> None:  # the caller gave up waiting: end it
+            tracker.finish("KILLED", TrackingTimeout("the call went on untracked"), {})
+
         try:
-            with quiet_store():
-                uri = resolve_tracking_uri(mlflow.get_tracking_uri())
-                client = MlflowClient(tracking_uri=uri)
-                plan = plan_run(opts, info, mlflow, client, uri)
-                tracker = cls._open(client, plan, info)
-            tracker._log_params(info, plan)
-            if resolve_log_system_metrics(opts, info):
-                tracker._start_system_metrics(stdout)
+            tracker = bounded(setup, "start", on_late=too_late)
         except LaunchError:
             raise
-        except BaseException as exc:
-            if tracker is not None:  # half set up (or interrupted): do not leave it RUNNING
-                status = "FAILED" if isinstance(exc, Exception) else "KILLED"
-                try:
-                    tracker.finish(status, exc, {})
-                except Exception as inner:
-                    log.warning("could not end the half-created MLflow run: %s", inner)
-            if not isinstance(exc, Exception):
-                raise
+        except Exception as exc:
             _note(
                 stdout,
                 f"gangrun: MLflow tracking is off for this call, the store could not be used "
@@ -116,12 +139,19 @@ class Tracker:
             return None
         link = run_link(uri, tracker.experiment_id, tracker.run_id or "", tracker.resume_number > 0)
         _note(stdout, link)
+        tracker._stream = stdout
+        if is_server(uri):
+            tracker._watch = HealthWatch(uri, stdout)
         return tracker
 
     @classmethod
-    def _open(cls, client: Any, plan: RunPlan, info: dict[str, Any]) -> Tracker:
+    def _open(
+        cls, client: Any, plan: RunPlan, info: dict[str, Any], half: list[Tracker]
+    ) -> Tracker:
         opts = info.get("options")
         tags = _run_tags(info, plan.parent_run_id)
+        call_id = str(info.get("run_id"))
+        tags[lease.TAG_LEASE] = lease.value(call_id)
         tags.update({str(k): str(v) for k, v in (getattr(opts, "tags", None) or {}).items()})
         resume = plan.resume_run
         if resume is None:
@@ -131,9 +161,21 @@ class Tracker:
             )
             tracker = cls(client, run.info.run_id, plan.experiment_id, plan.tracking_uri)
             tracker.parent_run_id = plan.parent_run_id
+            tracker.call_id = call_id
+            lease.hold(call_id)
+            half.append(tracker)
         else:
             run_id = resume.info.run_id
+            where = ("run_id=" if plan.resume_source == "run_id=" else "MLFLOW_RUN_ID=") + repr(
+                run_id
+            )
+            lease.check(resume, where)  # a live call's run: refused before anything changes
+            client.set_tag(run_id, lease.TAG_LEASE, tags.pop(lease.TAG_LEASE))
+            lease.check(client.get_run(run_id), where)  # another call won a race for it
+            lease.hold(call_id)
             tracker = cls(client, run_id, plan.experiment_id, plan.tracking_uri)
+            tracker.call_id = call_id
+            half.append(tracker)
             tracker.resume_number = int(resume.data.tags.get(TAG_RESUMES, "0") or 0) + 1
             # back to RUNNING first: from here on finish() ends it whatever happens
             client.update_run(run_id, status="RUNNING", name=plan.run_name)
@@ -201,10 +243,40 @@ class Tracker:
     # ------------------------------------------------------------------ finish
     def finish(self, status: str, error: BaseException | None, log_files: dict[int, str]) -> None:
         """Attach the rank logs, record the root cause and end the run with ``status``
-        (FINISHED, FAILED or KILLED). Safe to call more than once (the first call wins)."""
+        (FINISHED, FAILED or KILLED). Safe to call more than once (the first call wins).
+
+        Bounded in time: a tracking server that went away is found by one short probe and
+        nothing more is sent to it; every request is made within ``GANGRUN_TRACKING_TIMEOUT``.
+        Either way a one-line note says the run could not be finished."""
         if self._finished:
             return
         self._finished = True
+        lease.release(self.call_id)
+        if self._watch is not None:
+            self._watch.stop()
+        why = probe(self.tracking_uri)
+        if why is None:
+            try:
+                bounded(lambda: self._finish(status, error, log_files), "finish")
+                return
+            except TrackingTimeout as exc:
+                why = str(exc)
+        if self._monitor is not None:  # stop its sampling; its last request ends on its own
+            threading.Thread(
+                target=self._monitor.finish, name="gangrun-tracking-sysmetrics", daemon=True
+            ).start()
+        where = (
+            f"the tracking server {self.tracking_uri} cannot be reached"
+            if is_server(self.tracking_uri)
+            else f"the tracking store {self.tracking_uri} did not answer in time"
+        )
+        _note(
+            self._stream or sys.stderr,
+            f"gangrun: the MLflow run {self.run_id} could not be finished: {where} ({why}); "
+            "it stays RUNNING there. The call's results are not affected.",
+        )
+
+    def _finish(self, status: str, error: BaseException | None, log_files: dict[int, str]) -> None:
         problems: list[str] = []
         if self._monitor is not None:
             try:
@@ -233,6 +305,11 @@ class Tracker:
             except Exception as exc:
                 problems.append(f"error text: {exc}")
         problems += _set_tags(self.client, self.run_id, tags, strict=False)
+        if self.call_id:
+            try:
+                self.client.delete_tag(self.run_id, lease.TAG_LEASE)
+            except Exception as exc:  # a terminal status makes the lease stale anyway
+                problems.append(f"tag {lease.TAG_LEASE}: {exc}")
         self.client.set_terminated(self.run_id, status, end_time=int(time.time() * 1000))
         if problems:
             print("gangrun: the MLflow run is incomplete: " + "; ".join(problems), file=sys.stderr)
@@ -261,6 +338,14 @@ def quiet_store() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, before, strict=True):
             lg.setLevel(level)
+
+
+def _end_half(tracker: Tracker, exc: BaseException) -> None:
+    status = "FAILED" if isinstance(exc, Exception) else "KILLED"
+    try:
+        tracker.finish(status, exc, {})
+    except Exception as inner:
+        log.warning("could not end the half-created MLflow run: %s", inner)
 
 
 def _set_tags(client: Any, run_id: Any, tags: dict[str, str], strict: bool = True) -> list[str]:

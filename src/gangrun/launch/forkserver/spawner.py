@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
-import sys
 from collections.abc import Sequence
 
+from ...exitcodes import signal_name
 from ...platform import signal_tree, wait_gone
 from .. import GangSpec, RankIO, RankProcess, RankSpec
 from ..spawn import close_fds, close_write_ends
@@ -16,15 +17,33 @@ from . import protocol as p
 from .client import ForkServer, ForkServerError, Signature, registry, startup_signature
 
 _BROKEN = (OSError, ForkServerError, EOFError, pickle.PickleError)
+log = logging.getLogger("gangrun.launch.forkserver")
+
+
+def server_death(server: ForkServer | None) -> str:
+    """``"the fork server (pid N) died (killed by SIGKILL)"``: how its death is reported."""
+    if server is None:
+        return "the fork server died"
+    try:
+        code = server.proc.wait(2.0)
+    except Exception:  # still exiting: its channel is closed, which is all we know
+        code = None
+    how = ""
+    if code is not None:
+        sig = signal_name(code)
+        how = f" (killed by {sig})" if sig else f" (exit code {code})"
+    return f"the fork server (pid {server.pid}) died{how}"
 
 
 class ForkedProcess:
     """A rank forked by the server: its exit code arrives on a status pipe."""
 
-    def __init__(self, rank: int, pid: int, status_r: int) -> None:
+    def __init__(self, rank: int, pid: int, status_r: int, server: ForkServer | None = None):
         self.rank = rank
         self.pid = pid
         self._status_r = status_r
+        self._server = server
+        self.lost: str | None = None  # set when the server died with this rank running
 
     def wait(self) -> int:
         data = b""
@@ -48,11 +67,8 @@ class ForkedProcess:
         # that (liveness pipe); make sure it is gone and report it as killed.
         signal_tree([self.pid], signal.SIGKILL)
         wait_gone(self.pid, 5.0)
-        print(
-            f"gangrun: the fork server died while rank {self.rank} (pid {self.pid}) was "
-            "running; the rank was stopped.",
-            file=sys.stderr,
-        )
+        self.lost = server_death(self._server)
+        log.info("%s while rank %d (pid %d) was running", self.lost, self.rank, self.pid)
         return -signal.SIGKILL
 
     def signal(self, sig: int) -> None:
@@ -111,7 +127,7 @@ class ForkServerSpawner:
         finally:
             close_fds(owned)
         return [
-            ForkedProcess(r.rank, pid, st)
+            ForkedProcess(r.rank, pid, st, server)
             for (r, _), pid, st in zip(ranks, pids, status_r, strict=True)
         ]
 

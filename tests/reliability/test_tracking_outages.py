@@ -1,0 +1,209 @@
+"""Issue 24, reliability items 1, 2 and 5: tracking outages against a real ``mlflow server`` on
+loopback (killed mid-call, or never started), and a run resumed while its call still runs.
+Each failed on the main branch before the fix (item 1: the call sat in MLflow's retries for
+minutes after its ranks ended, and the ranks' ``mlflow.log_metric`` blocked and then raised;
+item 2: ``submit()`` spent over a minute in ``create_run``'s retries; item 5: the second call
+was accepted and ended the run under the first)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+from outage_funcs import logs_through_an_outage, quick, waits_for
+
+import gangrun
+from conftest import assert_no_survivors
+from gangrun import LaunchError
+from mlflow_server import MlflowServer, free_port
+
+mlflow = pytest.importorskip("mlflow")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory):
+    """One real tracking server for this module (its start takes up to a minute on a loaded
+    machine); the test that kills it runs last. Always stopped, no process left."""
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def server(live_server, monkeypatch):
+    """The caller's store is the server for this test."""
+    assert live_server.alive(), "the module's server was killed by an earlier test"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", live_server.url)
+    for k in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(k, raising=False)
+    mlflow.set_tracking_uri(live_server.url)
+    yield live_server
+    mlflow.set_tracking_uri(None)
+
+
+def _wait_for(paths, timeout: float = 90.0, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the caller exited {proc.returncode}: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, f"not all of {paths} appeared"
+        time.sleep(0.05)
+
+
+def test_item2_server_not_running_at_start_runs_untracked_at_once(monkeypatch, capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(url)
+    try:
+        fn = gangrun.distributed(processes=2, timeout=90)(quick)
+        t = time.monotonic()
+        handle = fn.submit(1)
+        submitted = time.monotonic() - t
+        assert handle.result(timeout=60) == [1, 2]
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert submitted < 30, f"submit() took {submitted:.0f}s with the server down"  # was > 60
+    out = capsys.readouterr().out
+    notes = [ln for ln in out.splitlines() if "MLflow tracking is off for this call" in ln]
+    assert len(notes) == 1 and url in notes[0] and "cannot be reached" in notes[0], out
+    assert handle.mlflow_run_id is None
+
+
+def test_item1_finish_requests_are_bounded_when_the_server_hangs(server, tmp_path, capsys):
+    """A server that accepts but never answers (SIGSTOPped): the finishing requests are
+    given up after GANGRUN_TRACKING_TIMEOUT, with the same one-line note."""
+    fn = gangrun.distributed(processes=2, timeout=90)(quick)
+    handle = fn.submit(0)
+    assert handle.mlflow_run_id, "the call is not tracked: nothing to prove"
+    os.environ["GANGRUN_TRACKING_TIMEOUT"] = "5"  # read when the run is finished
+    try:
+        assert server.proc is not None
+        os.killpg(server.proc.pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert handle.result(timeout=60) == [0, 1]
+            took = time.monotonic() - t
+        finally:
+            os.killpg(server.proc.pid, signal.SIGCONT)
+    finally:
+        del os.environ["GANGRUN_TRACKING_TIMEOUT"]
+    both = "".join(capsys.readouterr())
+    assert f"the MLflow run {handle.mlflow_run_id} could not be finished" in both, both[-2000:]
+    assert took < 45, took
+
+
+def test_item1_server_killed_mid_call_results_come_back(server, tmp_path, capsys):
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    fn = gangrun.distributed(processes=2, timeout=180)(logs_through_an_outage)
+    handle = fn.submit(str(flags), 6.0)
+    run_id = handle.mlflow_run_id
+    assert run_id
+    _wait_for([flags / "logged.0", flags / "logged.1"])
+    server.kill()
+    (flags / "killed").touch()
+    # ranks log for 6 s after the outage; then the results must come back promptly (the old
+    # code spent minutes in MLflow's retries, in the ranks and then in the caller)
+    out = handle.result(timeout=60)
+    assert [o["rank"] for o in out] == [0, 1]
+    for o in out:
+        assert o["steps"] > 10, out  # the loop kept running
+        assert o["slowest_log"] < 5.0, out  # no logging call sat in MLflow's retries
+    text = capsys.readouterr()
+    both = text.out + text.err
+    assert both.count("metrics the ranks log are being lost") == 1, both[-3000:]
+    assert f"the MLflow run {run_id} could not be finished" in both, both[-3000:]
+    assert "Failed to log run data" not in both, both[-3000:]  # MLflow's per-batch lines
+    assert_no_survivors()
+
+
+# ---------------------------------------------------------------- item 5: one run, one call
+def test_item5_resuming_a_run_in_use_is_refused_before_any_rank_starts(tmp_path, capsys):
+    flag = tmp_path / "go"
+    fn = gangrun.distributed(processes=2, timeout=120)(waits_for)
+    first = fn.submit(str(flag))
+    run_id = first.mlflow_run_id
+    assert run_id
+    second = fn.options(run_id=run_id)
+    with pytest.raises(LaunchError) as info:
+        second.submit(str(flag))
+    msg = str(info.value)
+    assert "in use by a running call" in msg, msg
+    assert f"pid {os.getpid()}" in msg and os.uname().nodename in msg, msg
+    assert first.run_id in msg, msg  # the call that holds it
+    assert not first.done()
+    client = mlflow.MlflowClient()
+    assert client.get_run(run_id).info.status == "RUNNING"
+    flag.touch()
+    assert first.result(timeout=60) == [0, 1]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    # once the first call is over, the run can be resumed
+    assert second.distributed(str(flag)) == [0, 1]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["gangrun.resumes"] == "1"
+    assert "gangrun.lease" not in run.data.tags
+
+
+def _another_caller(script, tmp_path, flag, then: str):
+    """A caller subprocess whose call waits for ``flag``; then it runs ``then``. Returns the
+    process and its call's MLflow run id, once the run exists."""
+    ready = tmp_path / "run_id"
+    code = f"""
+    import os, sys, time
+    sys.path.insert(0, {os.path.dirname(__file__)!r})
+    import gangrun
+    from outage_funcs import waits_for
+    h = gangrun.distributed(processes=2, timeout=120)(waits_for).submit({str(flag)!r})
+    with open({str(ready)!r} + ".tmp", "w") as f:
+        f.write(h.mlflow_run_id)
+    os.rename({str(ready)!r} + ".tmp", {str(ready)!r})
+    {then}
+    """
+    proc = script(textwrap.dedent(code))
+    try:
+        _wait_for([ready], proc=proc)
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, ready.read_text()
+
+
+def test_item5_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
+    """The first caller dies (a kernel SIGKILLed): nobody removed its lease; resuming works."""
+    flag = tmp_path / "never"
+    proc, run_id = _another_caller(script, tmp_path, flag, "time.sleep(120)")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert_no_survivors(proc.pid, wait=15.0)
+    client = mlflow.MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and "gangrun.lease" in run.data.tags
+    flag.touch()
+    fn = gangrun.distributed(processes=2, timeout=120, run_id=run_id)(waits_for)
+    assert fn.distributed(str(flag)) == [0, 1]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_item5_a_live_call_in_another_process_is_named(tmp_path, script):
+    flag = tmp_path / "go"
+    proc, run_id = _another_caller(script, tmp_path, flag, "print(h.result(timeout=100))")
+    try:
+        fn = gangrun.distributed(processes=2, timeout=60, run_id=run_id)(waits_for)
+        with pytest.raises(LaunchError, match=rf"in use by a running call .*pid {proc.pid}\)"):
+            fn.submit(str(flag))
+        flag.touch()
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert_no_survivors(proc.pid)
