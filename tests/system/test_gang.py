@@ -213,3 +213,25 @@ def test_gang_closed_at_interpreter_exit(script):
     time.sleep(0.2)
     assert not pids_alive(pids)
     assert_no_survivors(p.pid)
+
+
+def test_gang_open_at_exit_ends_its_mlflow_run_finished(script):
+    """One ordered shutdown (lifecycle/calls.py): the open gang closes first (FINISHED, as
+    docs/interactive.md promises), before the exit hook cancels active calls (KILLED)."""
+    import mlflow
+
+    p = script(
+        """
+        import gangrun
+        g = gangrun.Gang(processes=2)
+        print(g.handle.mlflow_run_id, *g.pids.values(), flush=True)
+        g.execute("x = 1")
+        """
+    )
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    run_id, *pids = out.split()[-3:]
+    time.sleep(0.2)
+    assert not pids_alive([int(x) for x in pids])
+    assert_no_survivors(p.pid)
+    assert mlflow.MlflowClient().get_run(run_id).info.status == "FINISHED"

@@ -16,7 +16,6 @@ checkpoint restore) and say so in the cell; the next execution runs on the heale
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import logging
@@ -31,6 +30,7 @@ from typing import Any
 from .. import serialization
 from ..api import RunHandle, distributed
 from ..errors import DistributedError, LaunchError
+from ..lifecycle import calls
 from ..options import DEFAULT_TIMEOUT, Options
 from . import protocol
 from .channel import Listener, release
@@ -382,4 +382,4 @@ def _close_all() -> None:
             log.warning("gang: closing at exit failed", exc_info=True)
 
 
-atexit.register(_close_all)
+calls.on_exit(_close_all)  # gangs close (FINISHED) before open calls are cancelled (KILLED)

@@ -1,8 +1,10 @@
 """The calls active in this process, and the one ``atexit`` hook that tears them down.
 
-At interpreter exit: cancel every active call of *this* process (waiting for each to end,
-so its MLflow run is KILLED and its ranks are gone), then shut the launchers down (the fork
-server). A forked child of the caller inherits the registry and the hook, but the calls are
+At interpreter exit, in this order, from ONE hook: close what asked to be closed first
+(`on_exit`: the open interactive gangs, whose MLflow runs end FINISHED as
+``docs/interactive.md`` promises), then cancel every call of *this* process still active
+(waiting for each to end, so its MLflow run is KILLED and its ranks are gone), then shut the
+launchers down (the fork server). A forked child of the caller inherits the registry and the hook, but the calls are
 its parent's: the child forgets them at fork, and the hook does nothing there, at once.
 """
 
@@ -13,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 log = logging.getLogger("gangrun.lifecycle.calls")
@@ -27,6 +30,23 @@ class Cancellable(Protocol):
 _lock = threading.Lock()
 _active: set[Cancellable] = set()
 _owner_pid = os.getpid()
+_closers: list[Callable[[], None]] = []  # run first at exit, in registration order
+
+
+def on_exit(closer: Callable[[], None]) -> None:
+    """Run ``closer`` at interpreter exit before the active calls are cancelled (an
+    interactive gang closes itself cleanly instead of being cancelled as a call)."""
+    if closer not in _closers:
+        _closers.append(closer)
+    _register()
+
+
+def _register() -> None:
+    # atexit runs hooks last-registered first: re-registering puts this one ahead of hooks
+    # registered since (MLflow's, imported with the first tracked call), so calls end while
+    # what they need is still there.
+    atexit.unregister(at_exit)
+    atexit.register(at_exit)
 
 
 def _forget_in_child() -> None:
@@ -45,10 +65,7 @@ def add(call: Cancellable) -> None:
     with _lock:
         _owner_pid = os.getpid()
         _active.add(call)
-    # atexit runs hooks last-registered first: re-registering puts this one ahead of hooks
-    # registered since (the fork server's), so calls end before their launcher goes away.
-    atexit.unregister(at_exit)
-    atexit.register(at_exit)
+    _register()
 
 
 def discard(call: Cancellable) -> None:
@@ -71,6 +88,11 @@ def stop_all(reason: str = "stopped because the caller is exiting") -> None:
 def at_exit() -> None:
     if os.getpid() != _owner_pid:
         return  # a forked child of the caller (or no call ever started here): nothing is ours
+    for closer in list(_closers):
+        try:
+            closer()
+        except Exception:
+            log.exception("closing at exit failed")
     stop_all()
     _shutdown_launchers()
 
@@ -91,4 +113,4 @@ def _shutdown_launchers() -> None:
 
 atexit.register(at_exit)
 
-__all__ = ["add", "discard", "active", "stop_all", "at_exit"]
+__all__ = ["add", "discard", "active", "stop_all", "at_exit", "on_exit"]
