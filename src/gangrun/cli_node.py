@@ -60,10 +60,10 @@ class CallRef:
 
 
 def _read_record(run_dir: str, uid: int) -> dict[str, Any] | None:
-    from .lifecycle.control import RECORD
+    from .rundir import RunDir
 
     try:
-        fd = os.open(os.path.join(run_dir, RECORD), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(RunDir(run_dir).call_record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -130,9 +130,9 @@ def resolve(run: str, calls: list[CallRef]) -> CallRef:
 
 def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One request on the call's control socket; its answer."""
-    from .lifecycle.control import SOCKET
+    from .rundir import RunDir
 
-    path = os.path.join(c.run_dir, SOCKET)
+    path = RunDir(c.run_dir).control_socket
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:

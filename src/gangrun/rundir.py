@@ -3,6 +3,8 @@
 ``<tmp>/gangrun-<run_id>-XXXX/`` (0700, files 0600, written atomically by temp name + rename)::
 
     payload.pkl          the function and its arguments (cloudpickle), written once
+    call.json            the call's record for `gangrun ps` (`gangrun.lifecycle.control`)
+    control              the caller's control socket (`gangrun stop/stacks`)
     context.json         the rank context (`RankContext`): caller's sys.path, cwd, ...
     result.<rank>.pkl    what rank <rank> returned
     error.<rank>.pkl     rank <rank>'s failure record (exception type, message, traceback)
@@ -33,6 +35,8 @@ log = logging.getLogger("gangrun.rundir")
 
 PAYLOAD = "payload.pkl"
 CONTEXT = "context.json"
+CALL_RECORD = "call.json"
+CONTROL_SOCKET = "control"
 _ATTEMPT_PREFIXES = ("result.", "error.", "heartbeat.", "stacks.", "progress.", "stop.")
 
 
@@ -52,6 +56,14 @@ class RunDir:
     @property
     def context(self) -> str:
         return os.path.join(self.path, CONTEXT)
+
+    @property
+    def call_record(self) -> str:
+        return os.path.join(self.path, CALL_RECORD)
+
+    @property
+    def control_socket(self) -> str:
+        return os.path.join(self.path, CONTROL_SOCKET)
 
     def result(self, rank: int) -> str:
         return os.path.join(self.path, f"result.{rank}.pkl")

@@ -66,7 +66,8 @@ def test_success_results_env_and_output(capfd, tmp_path, monkeypatch):
     run_dir = os.path.dirname(h.log_dir)
     assert oct(os.stat(run_dir).st_mode & 0o777) == "0o700"
     assert oct(os.stat(os.path.join(h.log_dir, "rank-0.log")).st_mode & 0o777) == "0o600"
-    assert sorted(os.listdir(run_dir)) == ["context.json", "logs"]  # payload/results consumed
+    # payload/results consumed; call.json: the record `gangrun ps` reads (final state)
+    assert sorted(os.listdir(run_dir)) == ["call.json", "context.json", "logs"]
     del h
     assert not os.path.exists(run_dir)  # removed with the handle
 

@@ -31,14 +31,15 @@ import time
 from typing import Any
 
 from ..platform import process_identity
+from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
 from .observers import CallInfo, Observer
 from .state import Outcome, State
 
 # `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle.control")
 
-RECORD = "call.json"
-SOCKET = "control"
+RECORD = CALL_RECORD  # names owned by RunDir (rundir.py)
+SOCKET = CONTROL_SOCKET
 STOP_WAIT_S = 120.0  # how long a stop request waits for the call to end before answering
 
 
@@ -113,7 +114,7 @@ class ControlObserver(Observer):
     def write_record(self) -> None:
         if not self.run.run_dir or os.getpid() != self.run.owner_pid:
             return
-        path = os.path.join(self.run.run_dir, RECORD)
+        path = RunDir(self.run.run_dir).call_record
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -134,7 +135,7 @@ class ControlObserver(Observer):
 
     # ---------------------------------------------------------------- the socket
     def _serve(self) -> None:
-        path = os.path.join(self.run.run_dir, SOCKET)
+        path = RunDir(self.run.run_dir).control_socket
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)  # in the 0700 run directory: no one else can reach it anyway
@@ -174,7 +175,7 @@ class ControlObserver(Observer):
         finally:
             sock.close()
             try:
-                os.unlink(os.path.join(self.run.run_dir, SOCKET))
+                os.unlink(RunDir(self.run.run_dir).control_socket)
             except OSError:  # the run directory went first
                 pass
             for fd in (self._wake_r, self._wake_w):
