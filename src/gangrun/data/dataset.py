@@ -8,7 +8,6 @@ remote files) and `prefetch` (reading ahead).
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -20,12 +19,13 @@ from . import sharding
 from .cache import FileCache, parse_size
 from .listing import LOCAL_PROTOCOLS, FileEntry, list_files, read_local
 from .prefetch import Progress, stream
+from .resumable import ResumableEpochs
 
 if TYPE_CHECKING:
     from .loader import VolumeLoader
 
 
-class VolumeDataset(IterableDataset):
+class VolumeDataset(ResumableEpochs, IterableDataset):
     """An iterable dataset over the files under ``source`` (see the module docstring).
 
     Args:
@@ -104,18 +104,6 @@ class VolumeDataset(IterableDataset):
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)`` this dataset shards for (arguments, else the environment)."""
         return sharding.rank_world(self._rank, self._world_size)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order; a different epoch than the restored one starts afresh."""
-        epoch = int(epoch)
-        if epoch != self._epoch:
-            self._resume = None
-            self._live = None
-        self._epoch = epoch
 
     def epoch_order(self, epoch: int | None = None) -> list[int]:
         """Indexes into `files` in the order of ``epoch`` (same on every rank)."""
@@ -286,47 +274,6 @@ class VolumeDataset(IterableDataset):
         self._live = sharding.progress_record(
             self._epoch, world, nw, len(self.files), self.seed, same
         )
-
-    def record_progress(self, worker: int, progress: Sequence[int]) -> None:
-        """Note that the training loop received worker ``worker``'s samples up to ``progress``
-        (the tag `iter_tagged` attached to them)."""
-        if self._live is None:
-            raise RuntimeError("record_progress() before start_progress()")
-        self._live["workers"][worker] = list(progress)
-
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
-        """``(sample, (worker id, progress))`` pairs of this DataLoader worker's (or this
-        process's) share, from position ``start``; does not record progress itself — pass the
-        tags the training loop received to `record_progress`."""
-        return self._iterate(start, tagged=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "seed", "rank<R>": <json of this rank's progress>}``.
-
-        The rank's progress lives under its own key so that ``torch.distributed.checkpoint``
-        (which keeps one copy of keys shared by ranks) stores every rank's position; the
-        dataset is ``Stateful``, so ``gangrun.checkpoint.save({"data": ds, ...}, url)`` works.
-        """
-        rank, _ = self.rank_world()
-        progress = self._live if self._live is not None else self._resume
-        return {
-            "epoch": self._epoch,
-            "seed": self.seed,
-            f"rank{rank}": json.dumps(progress),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict`; the next iteration continues where this rank stopped."""
-        rank, _ = self.rank_world()
-        self._epoch = int(state["epoch"])
-        self._live = None
-        raw = state.get(f"rank{rank}")
-        progress = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
-        if progress is not None and (
-            progress.get("epoch") != self._epoch or progress.get("seed") != self.seed
-        ):
-            progress = None
-        self._resume = progress
 
     # -- DataLoader ----------------------------------------------------------------------------
 

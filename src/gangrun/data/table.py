@@ -22,6 +22,7 @@ from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
 from .loader import VolumeLoader
+from .resumable import ResumableEpochs
 from .table_convert import (
     CHUNK_BATCHES,
     CHUNK_BYTES,
@@ -49,7 +50,7 @@ def _identity(x: Any) -> Any:
     return x
 
 
-class TableDataset(IterableDataset):
+class TableDataset(ResumableEpochs, IterableDataset):
     """An iterable dataset of batches of a Parquet or Delta Lake table.
 
     Args:
@@ -171,18 +172,6 @@ class TableDataset(IterableDataset):
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)`` this dataset splits for (arguments, else the environment)."""
         return plan.env_rank_world(self._rank, self._world_size)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s order; a different epoch than the restored one starts afresh."""
-        epoch = int(epoch)
-        if epoch != self._epoch:
-            self._resume = None
-            self._live = None
-        self._epoch = epoch
 
     def layout(self, rank: int | None = None) -> plan.Layout:
         """Rank ``rank``'s share of the epoch (first position, rows, batches)."""
@@ -375,35 +364,6 @@ class TableDataset(IterableDataset):
             self._live = plan.progress_record(
                 self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
             )
-
-    def record_progress(self, worker: int, progress: Sequence[int]) -> None:
-        """The training loop received worker ``worker``'s batches up to ``progress``."""
-        if self._live is None:
-            raise RuntimeError("record_progress() before start_progress()")
-        self._live["workers"][worker] = list(progress)
-
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
-        """``(batch, (worker id, progress))`` of this worker's share, from ``start``."""
-        return self._iterate(start, tagged=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "seed", "rank<R>": <json of this rank's progress>}`` (as VolumeDataset)."""
-        rank, _ = self.rank_world()
-        progress = self._live if self._live is not None else self._resume
-        return {"epoch": self._epoch, "seed": self.seed, f"rank{rank}": json.dumps(progress)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict`; the next iteration continues where this rank stopped."""
-        rank, _ = self.rank_world()
-        self._epoch = int(state["epoch"])
-        self._live = None
-        raw = state.get(f"rank{rank}")
-        progress = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
-        if progress is not None and (
-            progress.get("epoch") != self._epoch or progress.get("seed") != self.seed
-        ):
-            progress = None
-        self._resume = progress
 
     def loader(self, **dataloader_kwargs: Any) -> TableLoader:
         """A ``DataLoader`` over this dataset's batches that keeps `state_dict` exact
