@@ -140,8 +140,8 @@ class Supervisor:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def add_done_callback(self, fn: Callable[[], None]) -> None:  # at the end (or now)
-        self._done.add_callback(fn)
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        self._done.add_callback(fn)  # run once the call has ended (at once if it has)
 
     def wait(self, timeout: float | None = None) -> bool:
         # In slices: the main thread stays responsive to KeyboardInterrupt (also one raised by
