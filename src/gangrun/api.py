@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -33,32 +32,10 @@ def _release_run(ref: Callable[[], Supervisor | None], run_dir: str, owner: int)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _settle_future(ref: Callable[[], RunHandle[Any] | None]) -> None:
-    """The call ended: complete the handle as a ``concurrent.futures.Future``."""
-    handle = ref()
-    if handle is None:
-        return
-    try:
-        results = handle._run.result()
-    except BaseException as exc:
-        if isinstance(exc, DistributedError) and exc.handle is None:
-            exc.handle = handle
-        concurrent.futures.Future.set_exception(handle, exc)
-    else:
-        concurrent.futures.Future.set_result(handle, results)
-
-
-class RunHandle(concurrent.futures.Future[list[R]], Generic[R]):
-    """A running (or finished) call, returned by ``submit()``.
-
-    It is a ``concurrent.futures.Future`` of the per-rank results: ``exception()``,
-    ``add_done_callback()``, ``running()`` and ``concurrent.futures.wait`` /
-    ``as_completed`` work on handles; ``result()`` and ``cancel()`` are gangrun's own (a
-    cancel stops every rank; the handle then ends with ``DistributedCancelledError``)."""
+class RunHandle(Generic[R]):
+    """A running (or finished) call, returned by ``submit()``."""
 
     def __init__(self, run: Supervisor) -> None:
-        super().__init__()
-        self.set_running_or_notify_cancel()  # submitted calls run at once
         self._run = run
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
         # A handle dropped while its call still runs must not pull the files from under it:
@@ -68,7 +45,6 @@ class RunHandle(concurrent.futures.Future[list[R]], Generic[R]):
         self._finalizer = weakref.finalize(
             self, _release_run, weakref.ref(run), run.run_dir, run.owner_pid
         )
-        run.add_done_callback(functools.partial(_settle_future, weakref.ref(self)))
 
     @property
     def run_id(self) -> str:

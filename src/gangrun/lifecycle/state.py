@@ -14,7 +14,6 @@ gangrun and raises `IllegalTransition`.
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -169,33 +168,6 @@ class StateMachine:
             self._listener(new, self.outcome)
 
 
-class DoneEvent(threading.Event):
-    """The call's "done" flag, with callbacks run once it is set (in the setting thread, or at
-    once when added after it): what `RunHandle`'s ``concurrent.futures`` surface rests on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._callbacks: list[Callable[[], None]] = []
-        self._cb_lock = threading.Lock()
-
-    def add_callback(self, fn: Callable[[], None]) -> None:
-        with self._cb_lock:
-            if not self.is_set():
-                self._callbacks.append(fn)
-                return
-        fn()
-
-    def set(self) -> None:
-        super().set()
-        with self._cb_lock:
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
-                fn()
-            except Exception:
-                logging.getLogger("gangrun.lifecycle").exception("a done callback failed")
-
-
 __all__ = [
     "State",
     "TRANSITIONS",
@@ -209,5 +181,4 @@ __all__ = [
     "Attempt",
     "Outcome",
     "StateMachine",
-    "DoneEvent",
 ]

@@ -37,7 +37,6 @@ from .state import (
     Attempt,
     CancelRequested,
     DeadlineReached,
-    DoneEvent,
     Event,
     HangDetected,
     LaunchFailed,
@@ -106,7 +105,7 @@ class Supervisor:
         self._cancel_reason: str | None = None
         self._ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
-        self._done = DoneEvent()
+        self._done = threading.Event()
         self._released = False
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -139,9 +138,6 @@ class Supervisor:
 
     def done(self) -> bool:
         return self._done.is_set()
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        self._done.add_callback(fn)  # run once the call has ended (at once if it has)
 
     def wait(self, timeout: float | None = None) -> bool:
         # In slices: the main thread stays responsive to KeyboardInterrupt (also one raised by
