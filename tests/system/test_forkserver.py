@@ -219,6 +219,40 @@ def test_server_restarts_after_being_killed(tmp_path):
     assert all(o["ppid"] == new for o in out)
 
 
+@pytest.mark.parametrize("window", ["after_send", "after_receive"])
+def test_ctrl_c_inside_a_request_does_not_desync_the_channel(window, monkeypatch):
+    """Soak seed 8954393 run 565: Ctrl-C landed just after the reply to a fork request was
+    read (between bytecodes), the reply was lost and the next call waited 60 s for it. Here
+    the KeyboardInterrupt is raised at the two windows of a real server's request; the next
+    requests must get their own replies at once, and a call must start on that server."""
+    _describe.distributed("warm-up")
+    server = client.registry.current()
+    assert server is not None
+    real_recv = client.p.recv
+    fired = []
+
+    def interrupted_recv(sock, maxfds=0):
+        if not fired:
+            fired.append(window)
+            if window == "after_send":  # the reply is still in the channel: a late one
+                raise KeyboardInterrupt
+            real_recv(sock, maxfds)  # consumed, then the interrupt: no reply left to wait for
+            raise KeyboardInterrupt
+        return real_recv(sock, maxfds)
+
+    monkeypatch.setattr(client.p, "recv", interrupted_recv)
+    with pytest.raises(KeyboardInterrupt):
+        server.server_info()
+    t = time.monotonic()
+    for _ in range(3):
+        info = server.server_info()
+        assert info.pid == server.pid
+    assert time.monotonic() - t < 5.0, "a request waited for a reply already consumed"
+    monkeypatch.undo()
+    out = _describe.distributed("after")
+    assert all(o["ppid"] == server.pid for o in out), "the call did not use the same server"
+
+
 def test_server_death_stops_its_running_ranks(tmp_path):
     handle = _sleep_and_report.submit(str(tmp_path / "pids"))
     pids = _read_pids(str(tmp_path / "pids"))

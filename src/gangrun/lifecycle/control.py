@@ -79,6 +79,7 @@ class ControlObserver(Observer):
         self._sock: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._thread: threading.Thread | None = None
+        self._busy = False  # the thread is answering a request (a stop waits for the end)
         self._state = "starting"
 
     # ---------------------------------------------------------------- the record
@@ -153,11 +154,18 @@ class ControlObserver(Observer):
         self._thread.start()
 
     def _close(self) -> None:
+        """The call reached its end: stop the thread, and (unless it is answering a request,
+        e.g. a ``stop`` that waits for this very end) wait for it. Once the call returns, no
+        thread of it is left holding the call (its error and handle would outlive
+        ``del err``, its run directory with them) nor the wake pipe's two descriptors."""
         if self._wake_w != -1:
             try:
                 os.write(self._wake_w, b"x")
             except OSError:  # the loop already closed it
                 pass
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and not self._busy:
+            thread.join(5.0)  # bounded: the loop only waits in select() when not busy
 
     def _loop(self) -> None:
         sock, wake = self._sock, self._wake_r
@@ -168,8 +176,12 @@ class ControlObserver(Observer):
                 if wake in ready:
                     return
                 conn, _ = sock.accept()
-                with conn:
-                    self._handle(conn)
+                self._busy = True
+                try:
+                    with conn:
+                        self._handle(conn)
+                finally:
+                    self._busy = False
         except Exception:
             log.exception("call %s: the control socket stopped", self.run.run_id)
         finally:

@@ -14,6 +14,7 @@ forked child must not hold that open (item 3).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -97,10 +98,10 @@ class ForkServer:
         self.preload = preload
         self.env_sig = env_sig
         self.lock = threading.Lock()
-        # Replies still owed by the server to requests whose caller was interrupted (Ctrl-C
-        # between send and receive): read and dropped before the next request, so a reply is
-        # never taken for the answer to a later request.
-        self._owed = 0
+        # Each request carries the next sequence number and its reply echoes it: replies to
+        # requests whose caller was interrupted (Ctrl-C between send and receive) are
+        # dropped, and a reply consumed just before the interrupt is not waited for.
+        self._seq = 0
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for s in (parent, child):
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -151,23 +152,20 @@ class ForkServer:
 
     def request(self, msg: object, fds: list[int] | None = None, timeout: float = 60.0) -> object:
         with self.lock:
+            self._seq += 1
+            seq = self._seq
+            msg = dataclasses.replace(msg, seq=seq)  # type: ignore[type-var]
             self.sock.settimeout(timeout)
-            while self._owed:  # the answers to interrupted requests come first: drop them
-                stale, extra = p.recv(self.sock)
+            p.send(self.sock, msg, fds or ())
+            while True:
+                reply, extra = p.recv(self.sock)
                 for fd in extra:
                     os.close(fd)
-                self._owed -= 1
-                if stale is None:
+                if reply is None:
                     raise ConnectionResetError("the fork server closed its channel")
-                log.debug("dropped the fork server's late reply %s", type(stale).__name__)
-            p.send(self.sock, msg, fds or ())
-            self._owed += 1
-            reply, extra = p.recv(self.sock)
-            self._owed -= 1
-        for fd in extra:
-            os.close(fd)
-        if reply is None:
-            raise ConnectionResetError("the fork server closed its channel")
+                if getattr(reply, "seq", None) == seq:
+                    break
+                log.debug("dropped the fork server's late reply %s", type(reply).__name__)
         if isinstance(reply, p.Failed):
             raise ForkServerError(reply.error)
         return reply

@@ -46,11 +46,14 @@ class Fork:
     """Request: fork these ranks (fds per rank: stdout, stderr, liveness, status)."""
 
     ranks: list[ForkRank]
+    seq: int = 0  # echoed by the reply (see `Forked`)
 
 
 @dataclass(frozen=True)
 class Info:
     """Request: the server's `ServerInfo`."""
+
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,16 @@ class ServerInfo:
     threads: int
     children: list[int]
     pool: list[int]
+    seq: int = 0
 
 
 @dataclass(frozen=True)
 class Forked:
     pids: list[int]  # in the order of the request's ranks
+    # Every reply echoes its request's ``seq``: a caller interrupted (Ctrl-C) between its
+    # send and its receive, or just after the receive, never takes a late reply for the
+    # answer to a later request, nor waits for one it already consumed.
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Failed:
     """A request could not be served; nothing of it was started."""
 
     error: str
+    seq: int = 0
 
 
 @dataclass(frozen=True)

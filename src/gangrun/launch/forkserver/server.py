@@ -15,6 +15,7 @@ their trees down themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import signal
@@ -179,18 +180,19 @@ class Server:
             platform.kill_children(keep=set(self.status) | {pid for pid, _ in self.pool})
 
     def handle(self, msg: object, fds: list[int]) -> None:
+        seq = int(getattr(msg, "seq", 0))
         if isinstance(msg, p.Fork):
             try:
                 pids = self.fork(msg.ranks, fds)
             except Exception as exc:
-                p.send(self.sock, p.Failed(f"{type(exc).__name__}: {exc}"))
+                p.send(self.sock, p.Failed(f"{type(exc).__name__}: {exc}", seq))
                 return
-            p.send(self.sock, p.Forked(pids))
+            p.send(self.sock, p.Forked(pids, seq))
         elif isinstance(msg, p.Info):
-            p.send(self.sock, self.info())
+            p.send(self.sock, dataclasses.replace(self.info(), seq=seq))
         else:
             close_fds(fds)
-            p.send(self.sock, p.Failed(f"unknown request {type(msg).__name__}"))
+            p.send(self.sock, p.Failed(f"unknown request {type(msg).__name__}", seq))
 
     def fork(self, ranks: list[p.ForkRank], fds: list[int]) -> list[int]:
         """Start one child per rank (idle pool first); all or nothing. Consumes ``fds``."""
