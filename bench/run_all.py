@@ -3,7 +3,9 @@
 
     PYTHONPATH=src python bench/run_all.py --reps 5
 
-``--only relaunch,failure`` runs a subset (the documents are still rewritten from what ran).
+``--only relaunch,failure`` runs a subset: the documents are rewritten from what ran, and
+each benchmark that did not run keeps its section as the current ``docs/benchmarks.md`` has
+it. Everything below `KEEP_MARK` in that file (one-off comparisons written by hand) is kept.
 """
 
 from __future__ import annotations
@@ -84,6 +86,31 @@ TARGETS = [
     ),
 ]
 COMMAND = "PYTHONPATH=src python bench/run_all.py --reps 5"
+KEEP_MARK = "<!-- written by hand: bench/run_all.py keeps everything below this line -->"
+
+
+def existing_sections(text: str) -> tuple[dict[str, str], str]:
+    """The current document's per-benchmark sections (``### name`` to the next heading) and
+    its hand-written tail (from `KEEP_MARK` on)."""
+    head, _, tail = text.partition(KEEP_MARK)
+    sections: dict[str, str] = {}
+    targets = head.partition("## Targets")[2].partition("\n## ")[0]
+    for line in targets.splitlines():  # the Targets table's rows, by label: "targets:<label>"
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("measure", "---"):
+            sections[f"targets:{cells[0]}"] = line
+    name, lines = None, []
+    for line in head.splitlines():
+        if line.startswith("#"):
+            if name is not None:
+                sections[name] = "\n".join(lines).rstrip() + "\n"
+            name = line[4:].strip() if line.startswith("### ") else None
+            lines = [line]
+        elif name is not None:
+            lines.append(line)
+    if name is not None:
+        sections[name] = "\n".join(lines).rstrip() + "\n"
+    return sections, (KEEP_MARK + tail) if tail or KEEP_MARK in text else ""
 
 
 def run_one(name: str, reps: int) -> dict:
@@ -214,7 +241,8 @@ def _fmt(x: float | None, unit: str = "") -> str:
     return f"{x:.3g}"
 
 
-def markdown(results: dict, rows: list[dict], env: dict) -> str:
+def markdown(results: dict, rows: list[dict], env: dict, kept: dict[str, str] | None = None) -> str:
+    kept = kept or {}
     out = [
         "# Benchmarks",
         "",
@@ -233,7 +261,12 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "",
         f"Last run: {env.get('date')}, Python {env.get('python')}, torch {env.get('torch')}, "
         f"{env.get('cpus')} CPUs ({env.get('machine')}, Linux {env.get('kernel')}), "
-        f"load average at start {env.get('loadavg_at_start', 0):.1f}.",
+        f"load average at start {env.get('loadavg_at_start', 0):.1f}"
+        + (
+            f" (that run: {', '.join(env['ran'])}; the rest from earlier runs)."
+            if env.get("ran")
+            else "."
+        ),
         "",
         "![ratios](benchmarks.png)",
         "",
@@ -249,11 +282,19 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
             else ("<= " if r["op"] == "le" else ">= ") + f"{r['target']:g}"
         )
         met = {True: "yes", False: "**no**", None: ""}[r["ok"]]
+        if r["value"] is None:  # not run this time: the row as it was, if there was one
+            if f"targets:{r['label']}" in kept:
+                out.append(kept[f"targets:{r['label']}"])
+            continue
         out.append(f"| {r['label']} | {_fmt(r['value'])} | {tgt} | {met} |")
+    labels = {f"targets:{r['label']}" for r in rows}
+    out += [v for k, v in kept.items() if k.startswith("targets:") and k not in labels]
     out += ["", "## Medians", ""]
     for name in ORDER:
         res = results.get(name)
         if not res:
+            if name in kept:  # not run this time: the section as it was
+                out += [kept[name].rstrip(), ""]
             continue
         out.append(f"### {name}")
         out.append("")
@@ -304,6 +345,15 @@ def markdown(results: dict, rows: list[dict], env: dict) -> str:
         "   on and off; the first call made 3 s after decorating (fork server prewarmed, and the",
         "   modules a call needs imported, in the background; `BENCH_FIRST_WAIT_S` changes the",
         "   pause) and a cold first call, next to the warm relaunch.",
+        "9. **watch**: the cost of watching a run (issue 20). In a real kernel, 2 ranks, MLflow on in",
+        "   both variants (the grid needs it; the fork server preloads mlflow): a warm relaunch",
+        "   with the live panel (progress line, per-rank rows, chart grid) and a function that calls",
+        "   `gangrun.report_step` at each of its 200 steps and logs a metric, against",
+        "   `progress=False` and the same function without `report_step`; interleaved, both",
+        "   orders. Then a 10,000-step training loop (MLP forward, backward, SGD step, one thread)",
+        "   in a real rank with and without `report_step(step, total)` at every step, alternating",
+        "   every 500 steps in the same process; the cost of one call; and the panel thread's own",
+        "   work per redraw and per metrics read.",
         "10. **tables**: rows/s of a 2-rank x 2-worker `TableDataset` epoch over 8 Parquet files",
         "    (2M rows), timed in the ranks, against one process scanning them with",
         "    `pyarrow.dataset`, HF `datasets` streaming them with `split_dataset_by_node` (2x2",
@@ -335,6 +385,8 @@ def main() -> None:
         results = saved.get("benchmarks", {})
         if a.render:
             env, a.reps, names = saved.get("environment", env), saved.get("reps", a.reps), []
+    if a.only and not a.render:
+        env["ran"] = names
     for n in names:
         print(f"== {n}", flush=True)
         results[n] = run_one(n, a.reps)
@@ -347,8 +399,13 @@ def main() -> None:
             indent=2,
         )
     chart(rows, os.path.join(DOCS, "benchmarks.png"))
-    with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
-        f.write(markdown(results, rows, env))
+    doc = os.path.join(DOCS, "benchmarks.md")
+    kept, tail = ({}, "")
+    if os.path.exists(doc):
+        with open(doc) as f:
+            kept, tail = existing_sections(f.read())
+    with open(doc, "w") as f:
+        f.write(markdown(results, rows, env, kept) + ("\n" + tail if tail else ""))
     for r in rows:
         print(f"{r['label']:45s} {_fmt(r['value']):>10s}  {r['ok']}")
 
