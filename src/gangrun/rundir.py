@@ -151,6 +151,28 @@ def create(run_id: str, log_dir: str | None) -> RunDir:
     return RunDir(path, logs)
 
 
+def remove_unrecorded(run_id: str, tmp: str | None = None) -> list[str]:
+    """Remove this user's run directories of call ``run_id`` (``gangrun-<run_id>-*``): the
+    call was interrupted (Ctrl-C between two bytecodes) after `create` made its directory
+    and before the call recorded it. Run ids are random: no other call's directory matches."""
+    tmp = tmp or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(f"gangrun-{run_id}-")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 _reaped_stale = False
 
 

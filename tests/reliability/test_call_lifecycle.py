@@ -241,3 +241,40 @@ def test_item13_exception_whose_str_raises():
     assert "could not be rendered" in str(e).splitlines()[0]
     assert "raise_unprintable" in (e.traceback or "")
     assert e.exitcode == 1
+
+
+@pytest.mark.parametrize("where", ["mkdtemp", "create"])
+def test_ctrl_c_just_after_the_run_directory_is_made_leaves_none(where, monkeypatch, tmp_path):
+    """Soak (CI seed) run 783: Ctrl-C 7 ms into a call landed between the run directory's
+    creation and the call keeping it; the directory was left for good. The interrupt is
+    raised here at those two points: inside `rundir.create` just after `mkdtemp`, and just
+    after `create` returned to the supervisor."""
+    from gangrun.lifecycle import supervisor
+    from gangrun import rundir
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    if where == "mkdtemp":
+        real_mkdtemp = tempfile.mkdtemp
+
+        def interrupted_mkdtemp(*a, **kw):
+            real_mkdtemp(*a, **kw)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(rundir.tempfile, "mkdtemp", interrupted_mkdtemp)
+    else:
+        real_create = supervisor.create
+
+        def interrupted_create(*a, **kw):
+            real_create(*a, **kw)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(supervisor, "create", interrupted_create)
+    with pytest.raises(KeyboardInterrupt):
+        _fn(rel_funcs.tagged).distributed("x", 0.0)
+    monkeypatch.undo()
+    assert _run_dirs(tmp) == []
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert [r["tag"] for r in _fn(rel_funcs.tagged).distributed("y", 0.0)] == ["y", "y"]

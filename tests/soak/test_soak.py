@@ -169,6 +169,7 @@ class Baseline:
         self.fds = _fds()
         self.listen = _listening()
         self.threads = {t.ident for t in threading.enumerate()}
+        self.dirs = set(_run_dirs(tmp))  # a leaked directory is reported by its run only
 
     def leaks(self, sockets_ok: bool = False) -> list[str]:
         """What leaked since the baseline. ``sockets_ok``: after a tracked call, MLflow's
@@ -195,7 +196,7 @@ class Baseline:
         th = _settle(lambda: [t.name for t in threading.enumerate() if t.ident not in self.threads])
         if th:
             out.append(f"leaked threads: {th}")
-        dirs = _settle(lambda: _run_dirs(self.tmp))
+        dirs = _settle(lambda: [d for d in _run_dirs(self.tmp) if d not in self.dirs])
         if dirs:
             out.append(f"leaked run dirs: {dirs}")
         ports = _settle(lambda: _listening() - self.listen)

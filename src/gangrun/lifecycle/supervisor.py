@@ -24,7 +24,7 @@ from ..errors import DistributedCancelledError, DistributedError, DistributedTim
 from ..launch import Gang, GangSpec, RankExit, RayPlacement, open_gang
 from ..options import Options
 from ..records import RankContext
-from ..rundir import RunDir, create, reap_stale
+from ..rundir import RunDir, create, reap_stale, remove_unrecorded
 from . import calls
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, request_stop
@@ -187,8 +187,12 @@ class Supervisor:
             self.remove_dir()
 
     def remove_dir(self) -> None:
-        if self.rundir is not None and os.getpid() == self.owner_pid:
+        if os.getpid() != self.owner_pid:
+            return
+        if self.rundir is not None:
             self.rundir.remove()
+        elif self.plan is not None:  # interrupted between creating the directory and keeping it
+            remove_unrecorded(self.plan.run_id)
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
