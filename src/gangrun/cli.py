@@ -30,6 +30,7 @@ import signal
 import sys
 from typing import Any
 
+from . import contract
 from .cli_support import module_file, unknown_flag, with_log_paths
 
 EXIT_LAUNCH = 2
@@ -57,7 +58,7 @@ class ScriptTarget:
     def _script_path(self) -> str:
         if os.path.isfile(self.target) or self.source is None:
             return self.target
-        where = os.environ.get("GANGRUN_RUN_DIR") or "."
+        where = os.environ.get(contract.RUN_DIR) or "."
         path = os.path.join(where, os.path.basename(self.target))
         with open(path, "wb") as f:
             f.write(self.source)
@@ -124,7 +125,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         allow_abbrev=False,
         help="run a script (or -m module) on every rank",
         description="Run a script on every rank, as `python script.py args` would. Options not "
-        "given here come from GANGRUN_<OPTION> variables, then the built-in defaults.",
+        f"given here come from {contract.option_var('<option>')} variables, then the built-in "
+        "defaults.",
         epilog=RUN_EXAMPLES,
         formatter_class=fmt,
     )
@@ -162,8 +164,8 @@ EXAMPLES = """examples:
   gangrun stacks RUN / gangrun stop RUN            its ranks' stacks / stop it
   gangrun run --help                               every option of run
 """
-RUN_EXAMPLES = """durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
-every option can be defaulted by GANGRUN_<OPTION> (e.g. GANGRUN_TIMEOUT=2h).
+RUN_EXAMPLES = f"""durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
+every option can be defaulted by {contract.option_var("<option>")} (e.g. {contract.option_var("timeout")}=2h).
 
 examples:
   gangrun run --processes 2 train.py --lr 1e-3
@@ -321,7 +323,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
             # A call here needs --processes N; show what a rank of such a call would see.
             shown = dataclasses.replace(opts, processes=1)
             note = (
-                "no GPU found: a call here needs --processes N (or GANGRUN_PROCESSES); "
+                f"no GPU found: a call here needs --processes N (or {contract.option_var('processes')}); "
                 "the environment shown is that of --processes 1"
             )
         try:

@@ -1,9 +1,9 @@
 """Ranks forked from a warm helper: fork speed without forking the caller.
 
 The fork server is a helper process started lazily by the first launch (per start-up
-signature: see `client`). It imports the heavy modules (``GANGRUN_PRELOAD``, default
-``torch``; comma-separated, ``none`` for nothing) and never initialises CUDA, then waits on a
-private unix socket pair. For each launch the caller sends the ranks' environments together
+signature: see `client`). It imports the heavy modules (the ``forkserver`` option's
+``preload``: default ``torch``, or ``GANGRUN_PRELOAD``, comma-separated, ``none`` for
+nothing) and never initialises CUDA, then waits on a private unix socket pair. For each launch the caller sends the ranks' environments together
 with each rank's stdout/stderr pipe ends, the caller's liveness pipe and a per-rank status pipe
 (``SCM_RIGHTS``, `protocol`); the server (`server`) forks one child per rank and
 answers with the pids; each child becomes a rank (`child`).
@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .client import registry, startup_signature, usable
+
+if TYPE_CHECKING:
+    from ...options import ForkServerOptions
 
 
 def server_info() -> dict[str, Any] | None:
@@ -40,10 +43,11 @@ def server_info() -> dict[str, Any] | None:
         return None
 
 
-def prewarm(pool: int = 2) -> None:
+def prewarm(pool: int = 2, settings: ForkServerOptions | None = None) -> None:
     """Start the fork server for this process's start-up environment now (a notebook does
-    this when a function is decorated), so the first call finds it warm."""
-    server = registry.lease(startup_signature(dict(os.environ)), pool)
+    this when a function is decorated, with that function's ``forkserver`` option), so the
+    first call finds it warm."""
+    server = registry.lease(startup_signature(dict(os.environ)), pool, settings)
     registry.release(server)
 
 
