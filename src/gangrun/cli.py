@@ -31,7 +31,14 @@ import sys
 from typing import Any
 
 from . import contract
-from .cli_support import module_file, unknown_flag, with_log_paths
+from .cli_support import (
+    module_file,
+    option_rows,
+    print_rows,
+    setting_rows,
+    unknown_flag,
+    with_log_paths,
+)
 
 EXIT_LAUNCH = 2
 EXIT_TIMEOUT = 124
@@ -277,7 +284,6 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
     from . import __version__, accelerators
     from . import defaults as _defaults
-    from .api import Options
     from .cli_options import options_from_args, speak_cli
     from .errors import DistributedError
     from .lifecycle.plan import plan_local, rank_specs
@@ -309,12 +315,10 @@ def cmd_info(ns: argparse.Namespace) -> int:
     opts = None
     try:
         opts, sources = _defaults.resolve_with_sources(options_from_args(ns))
-        report["options"] = {
-            f.name: {"value": _jsonable(getattr(opts, f.name)), "source": sources[f.name]}
-            for f in dataclasses.fields(Options)
-        }
+        report["options"] = option_rows(opts, sources)
     except DistributedError as exc:
         note = speak_cli(exc)
+    report["settings"] = setting_rows()
     if opts is not None and opts.backend == "ray":
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     elif opts is not None:
@@ -352,9 +356,12 @@ def cmd_info(ns: argparse.Namespace) -> int:
         print("accelerators: none found (use --processes N for CPU ranks)")
     if "options" in report:
         print("options (value, and where it comes from):")
-        width = max(len(k) for k in report["options"])
-        for k, v in report["options"].items():
-            print(f"  {k:<{width}}  {json.dumps(v['value']):<24} {v['source']}")
+        rows = []
+        for k, v in report["options"].items():  # an option group: one row per field
+            rows += [(f"{k}.{n}", f) for n, f in v["fields"].items()] if "fields" in v else [(k, v)]
+        print_rows(rows)
+    print("process settings (value, and where it comes from):")
+    print_rows(list(report["settings"].items()))
     if rank_env is not None:
         print(f"environment of rank 0 of {report['world_size']}:")
         for k, v in rank_env.items():
@@ -362,18 +369,6 @@ def cmd_info(ns: argparse.Namespace) -> int:
     if note:
         print(f"note: {note}")
     return 0
-
-
-def _jsonable(value: Any) -> Any:
-    import dataclasses as dc
-
-    if dc.is_dataclass(value) and not isinstance(value, type):  # an option group
-        return {k: _jsonable(v) for k, v in dc.asdict(value).items()}
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return dict(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 def _split_run(
