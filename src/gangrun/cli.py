@@ -356,7 +356,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
         print("accelerators: none found (use --processes N for CPU ranks)")
     if "options" in report:
         print("options (value, and where it comes from):")
-        rows = []
+        rows: list[tuple[str, dict[str, Any]]] = []
         for k, v in report["options"].items():  # an option group: one row per field
             rows += [(f"{k}.{n}", f) for n, f in v["fields"].items()] if "fields" in v else [(k, v)]
         print_rows(rows)

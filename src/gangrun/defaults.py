@@ -302,10 +302,10 @@ def parse_setting(var: str, kind: str, text: str) -> Any:
     t = str(text).strip()
     try:
         if kind == "duration":
-            value = parse_duration(t)
-            if value is None or value <= 0:
+            seconds = parse_duration(t)
+            if seconds is None or seconds <= 0:
                 raise ValueError("give a positive duration like 90s or 5m")
-            return value
+            return seconds
         if kind == "names" or kind == "modules":
             if kind == "modules" and t.lower() in ("", "none", "0", "false"):
                 return ()
