@@ -150,8 +150,7 @@ class RayOptions:
             object.__setattr__(self, "strategy", self.strategy.strip().upper())
         if self.strategy is not None and self.strategy not in RAY_STRATEGIES:
             raise LaunchError(
-                f"ray.strategy must be one of {RAY_STRATEGIES}, got {self.strategy!r} "
-                f"(also {contract.RAY_STRATEGY})."
+                f"ray.strategy must be one of {RAY_STRATEGIES}, got {self.strategy!r}."
             )
         _seconds_or_none("ray", "placement_timeout", self.placement_timeout)
         fe = self.forward_env

@@ -11,8 +11,9 @@ answers with the pids; each child becomes a rank (`child`).
 If the caller dies, its ranks see their liveness pipe close (as with spawned ranks) and the
 server sees its control socket close and exits. If the server dies, every rank it forked sees
 the server's own liveness pipe close and kills its tree; the next launch starts a new server.
-When the server cannot be started, the launch falls back to fresh interpreters (chosen once,
-in `gangrun.launch.gang.choose_spawner`).
+When the server cannot be started, the launch falls back to fresh interpreters (chosen in
+`gangrun.launch.gang.choose_spawner`); ``auto`` calls try the server again after a back-off
+(`client.Registry.retry_in`).
 
 Modules: ``protocol`` (typed messages, framing), ``server`` (the server process), ``child`` (a
 forked child becoming a rank), ``client`` (the caller's handles and the per-signature
