@@ -76,5 +76,7 @@ def test_every_contract_constant_is_documented():
     doc = c.__doc__ or ""
     names = [v for k, v in vars(c).items() if k.isupper() and isinstance(v, str)]
     assert names, "the contract declares its names as upper-case str constants"
-    missing = [v for v in names if v.startswith(c.PREFIX) and v != c.PREFIX and f"``{v}``" not in doc]
+    missing = [
+        v for v in names if v.startswith(c.PREFIX) and v != c.PREFIX and f"``{v}``" not in doc
+    ]
     assert not missing, f"not documented in gangrun.contract's docstring: {missing}"
