@@ -29,11 +29,19 @@ def _setting(var: str, kind: str, builtin: Any) -> Any:
 
 
 def settings_of(group: Any) -> dict[str, dict[str, Any]]:
-    """The fields of an option group that have a variable: name -> metadata (env, kind,
-    builtin)."""
-    import dataclasses
+    """The fields of an option group (class or instance) that have a variable: name ->
+    metadata (env, kind, builtin)."""
+    cls = group if isinstance(group, type) else type(group)
+    found = _SETTINGS.get(cls)
+    if found is None:
+        import dataclasses
 
-    return {f.name: dict(f.metadata) for f in dataclasses.fields(group) if "env" in f.metadata}
+        found = {f.name: dict(f.metadata) for f in dataclasses.fields(cls) if "env" in f.metadata}
+        _SETTINGS[cls] = found
+    return found
+
+
+_SETTINGS: dict[type, dict[str, dict[str, Any]]] = {}
 
 
 def _with_builtins(group: Any) -> Any:
