@@ -47,7 +47,9 @@ def server_info() -> dict[str, Any] | None:
 def prewarm(pool: int = 2, settings: ForkServerOptions | None = None) -> None:
     """Start the fork server for this process's start-up environment now (a notebook does
     this when a function is decorated, with that function's ``forkserver`` option), so the
-    first call finds it warm."""
+    first call finds it warm. Not while a failed start's back-off lasts."""
+    if registry.retry_in() > 0:
+        return
     server = registry.lease(startup_signature(dict(os.environ)), pool, settings)
     registry.release(server)
 
