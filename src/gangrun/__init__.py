@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .interactive.magic import load_ipython_extension
     from .interactive.rank import rank_state
     from .interactive.session import Gang
-    from .options import RayOptions
+    from .options import ForkServerOptions, RayOptions
     from .progress import report_step
     from .records import RankFailure
 
@@ -44,6 +44,7 @@ _LAZY = {
     "RunHandle": "api",
     "Options": "api",
     "RayOptions": "options",
+    "ForkServerOptions": "options",
     "device": "accelerators",
     "backend": "accelerators",
     "heartbeat": "hang",
@@ -80,6 +81,7 @@ __all__ = [
     "RunHandle",
     "Options",
     "RayOptions",
+    "ForkServerOptions",
     "device",
     "backend",
     "DistributedError",

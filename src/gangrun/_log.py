@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 
-ENV = "GANGRUN_LOG_LEVEL"
+from .contract import LOG_LEVEL as ENV
+
 ROOT = "gangrun"
 _configured = False
 _lock = threading.Lock()

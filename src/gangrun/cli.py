@@ -30,7 +30,15 @@ import signal
 import sys
 from typing import Any
 
-from .cli_support import module_file, unknown_flag, with_log_paths
+from . import contract
+from .cli_support import (
+    module_file,
+    option_rows,
+    print_rows,
+    setting_rows,
+    unknown_flag,
+    with_log_paths,
+)
 
 EXIT_LAUNCH = 2
 EXIT_TIMEOUT = 124
@@ -57,7 +65,7 @@ class ScriptTarget:
     def _script_path(self) -> str:
         if os.path.isfile(self.target) or self.source is None:
             return self.target
-        where = os.environ.get("GANGRUN_RUN_DIR") or "."
+        where = os.environ.get(contract.RUN_DIR) or "."
         path = os.path.join(where, os.path.basename(self.target))
         with open(path, "wb") as f:
             f.write(self.source)
@@ -124,7 +132,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         allow_abbrev=False,
         help="run a script (or -m module) on every rank",
         description="Run a script on every rank, as `python script.py args` would. Options not "
-        "given here come from GANGRUN_<OPTION> variables, then the built-in defaults.",
+        f"given here come from {contract.option_var('<option>')} variables, then the built-in "
+        "defaults.",
         epilog=RUN_EXAMPLES,
         formatter_class=fmt,
     )
@@ -162,8 +171,8 @@ EXAMPLES = """examples:
   gangrun stacks RUN / gangrun stop RUN            its ranks' stacks / stop it
   gangrun run --help                               every option of run
 """
-RUN_EXAMPLES = """durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
-every option can be defaulted by GANGRUN_<OPTION> (e.g. GANGRUN_TIMEOUT=2h).
+RUN_EXAMPLES = f"""durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
+every option can be defaulted by {contract.option_var("<option>")} (e.g. {contract.option_var("timeout")}=2h).
 
 examples:
   gangrun run --processes 2 train.py --lr 1e-3
@@ -275,7 +284,6 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
     from . import __version__, accelerators
     from . import defaults as _defaults
-    from .api import Options
     from .cli_options import options_from_args, speak_cli
     from .errors import DistributedError
     from .lifecycle.plan import plan_local, rank_specs
@@ -307,12 +315,10 @@ def cmd_info(ns: argparse.Namespace) -> int:
     opts = None
     try:
         opts, sources = _defaults.resolve_with_sources(options_from_args(ns))
-        report["options"] = {
-            f.name: {"value": _jsonable(getattr(opts, f.name)), "source": sources[f.name]}
-            for f in dataclasses.fields(Options)
-        }
+        report["options"] = option_rows(opts, sources)
     except DistributedError as exc:
         note = speak_cli(exc)
+    report["settings"] = setting_rows()
     if opts is not None and opts.backend == "ray":
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     elif opts is not None:
@@ -321,7 +327,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
             # A call here needs --processes N; show what a rank of such a call would see.
             shown = dataclasses.replace(opts, processes=1)
             note = (
-                "no GPU found: a call here needs --processes N (or GANGRUN_PROCESSES); "
+                f"no GPU found: a call here needs --processes N (or {contract.option_var('processes')}); "
                 "the environment shown is that of --processes 1"
             )
         try:
@@ -350,9 +356,12 @@ def cmd_info(ns: argparse.Namespace) -> int:
         print("accelerators: none found (use --processes N for CPU ranks)")
     if "options" in report:
         print("options (value, and where it comes from):")
-        width = max(len(k) for k in report["options"])
-        for k, v in report["options"].items():
-            print(f"  {k:<{width}}  {json.dumps(v['value']):<24} {v['source']}")
+        rows: list[tuple[str, dict[str, Any]]] = []
+        for k, v in report["options"].items():  # an option group: one row per field
+            rows += [(f"{k}.{n}", f) for n, f in v["fields"].items()] if "fields" in v else [(k, v)]
+        print_rows(rows)
+    print("process settings (value, and where it comes from):")
+    print_rows(list(report["settings"].items()))
     if rank_env is not None:
         print(f"environment of rank 0 of {report['world_size']}:")
         for k, v in rank_env.items():
@@ -360,18 +369,6 @@ def cmd_info(ns: argparse.Namespace) -> int:
     if note:
         print(f"note: {note}")
     return 0
-
-
-def _jsonable(value: Any) -> Any:
-    import dataclasses as dc
-
-    if dc.is_dataclass(value) and not isinstance(value, type):  # an option group
-        return {k: _jsonable(v) for k, v in dc.asdict(value).items()}
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return dict(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
 
 
 def _split_run(

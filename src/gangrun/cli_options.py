@@ -58,7 +58,8 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "start_method": (("--start-method",), _METHODS, "how ranks start (default auto: a warm fork server when usable)"),
     "backend": (("--backend",), _BACKENDS, "this node (default), or a Ray cluster"),
     "address": (("--address",), "ADDR", "Ray cluster address (backend ray; default RAY_ADDRESS)"),
-    "ray": (("--ray",), "JSON", 'backend ray: what reaches the nodes (RayOptions), e.g. \'{"ship": false}\', \'{"pip": ["pkg"], "excludes": ["data/"]}\''),
+    "ray": (("--ray",), "JSON", 'backend ray: what reaches the nodes and how they are placed (RayOptions), e.g. \'{"ship": false}\', \'{"pip": ["pkg"], "strategy": "SPREAD"}\''),
+    "forkserver": (("--forkserver",), "JSON", 'the warm fork server (ForkServerOptions), e.g. \'{"preload": ["torch", "transformers"], "start_timeout": 600}\''),
     "log_system_metrics": (("--system-metrics",), _ON_OFF, "log CPU/GPU/memory metrics to the MLflow run (default: off)"),
     "progress": (("--progress",), _ON_OFF, "in a Jupyter kernel: the live panel of each call (default: on)"),
     "hang_timeout": (("--hang-timeout",), "DURATION", "stop when a rank makes no progress this long (default: off)"),
@@ -104,10 +105,11 @@ def options_from_args(ns: argparse.Namespace) -> dict[str, Any]:
     for name in _PAIRS:
         if name in given:
             given[name] = dict(given[name])
-    if "ray" in given:  # --ray JSON: the Ray option group
-        from .options import RayOptions
+    from .options import ForkServerOptions, RayOptions
 
-        given["ray"] = RayOptions.coerce(given["ray"])
+    for name, group in (("ray", RayOptions), ("forkserver", ForkServerOptions)):
+        if name in given:  # --ray JSON, --forkserver JSON: an option group
+            given[name] = group.coerce(given[name])
     return given
 
 

@@ -1,15 +1,18 @@
 """What the ``gangrun`` command says to a shell user: a misspelled flag's "did you mean",
-a failure's log files by path (kept after the command), the file a ``-m module`` runs."""
+a failure's log files by path (kept after the command), the file a ``-m module`` runs, and
+``gangrun info``'s rows (every option and setting, and where each comes from)."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import re
 import shutil
 import sys
 import tempfile
+from typing import Any
 
 
 def module_file(name: str) -> str:
@@ -88,4 +91,64 @@ def with_log_paths(text: str, files: dict[int, str], run_id: str, kept: bool) ->
     return _LOGS_LINE.sub(lambda _: line, text, count=1)
 
 
-__all__ = ["module_file", "unknown_flag", "with_log_paths"]
+def print_rows(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    """``gangrun info``'s rows: name, value (JSON), where it comes from."""
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {json.dumps(v['value']):<24} {v['source']}")
+
+
+def option_rows(opts: Any, sources: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Each option's value and source; an option group also lists each of its fields
+    (``"fields"``), a setting of its own with the source of that setting."""
+    import dataclasses as dc
+
+    rows: dict[str, dict[str, Any]] = {}
+    for f in dc.fields(opts):
+        value = getattr(opts, f.name)
+        row = {"value": _jsonable(value), "source": sources[f.name]}
+        if dc.is_dataclass(value) and not isinstance(value, type):
+            row["fields"] = {
+                g.name: {
+                    "value": _jsonable(getattr(value, g.name)),
+                    "source": sources.get(f"{f.name}.{g.name}", sources[f.name]),
+                }
+                for g in dc.fields(value)
+            }
+        rows[f.name] = row
+    return rows
+
+
+def _jsonable(value: Any) -> Any:
+    import dataclasses as dc
+
+    if dc.is_dataclass(value) and not isinstance(value, type):  # an option group
+        return {k: _jsonable(v) for k, v in dc.asdict(value).items()}
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def setting_rows() -> dict[str, dict[str, Any]]:
+    """The caller's process settings (`gangrun.contract.SETTINGS`): value and source."""
+    from . import contract
+
+    return {
+        var: {
+            "value": os.environ.get(var, default),
+            "source": f"env {var}" if var in os.environ else "built-in",
+        }
+        for var, (default, _) in contract.SETTINGS.items()
+    }
+
+
+__all__ = [
+    "module_file",
+    "unknown_flag",
+    "with_log_paths",
+    "option_rows",
+    "print_rows",
+    "setting_rows",
+]

@@ -21,19 +21,30 @@ Set by the caller for each rank (read by the rank side, `gangrun.worker`):
 ``GANGRUN_RAY_NODE_IP``         Ray backend: that node's IP address
 ==============================  ==========================================================
 
-Read by the caller (settings of the launch machinery, not per-call options):
+Read by the caller. Every option of ``@distributed`` (a field of `gangrun.Options`) is
+defaulted by ``GANGRUN_<OPTION>`` (`option_var`, read in one place: `gangrun.defaults`), e.g.
+``GANGRUN_START_METHOD`` (``auto``: fork server when usable, ``spawn``, ``forkserver``) or
+``GANGRUN_CHECKPOINT_DIR``. The fields of the option groups have variables of their own, read
+there too, once per call, as the fields' defaults (``gangrun info`` shows each one's source):
 
 ==================================  ======================================================
-``GANGRUN_START_METHOD``            ``auto`` (default: fork server when usable), ``spawn``,
-                                    ``forkserver``
-``GANGRUN_PRELOAD``                 modules the fork server imports (default ``torch``;
-                                    comma separated; ``none``)
-``GANGRUN_FORKSERVER_START_TIMEOUT``  seconds to wait for the fork server's start (300)
-``GANGRUN_RAY_STRATEGY``            placement group strategy (``PACK``, ``SPREAD``, ...)
-``GANGRUN_RAY_RUNTIME_ENV``         JSON runtime env for the rank actors: the default of
-                                    ``RayOptions.runtime_env`` (option ``ray``)
-``GANGRUN_RAY_PLACEMENT_TIMEOUT``   seconds to wait for the placement group (300)
-``GANGRUN_RAY_FORWARD_ENV``         comma-separated caller variables shipped to Ray ranks
+``GANGRUN_PRELOAD``                 ``Options.forkserver.preload``: modules the fork server
+                                    imports (default ``torch``; comma separated; ``none``)
+``GANGRUN_FORKSERVER_START_TIMEOUT``  ``Options.forkserver.start_timeout``: seconds to wait
+                                    for the fork server's start (300)
+``GANGRUN_RAY_STRATEGY``            ``Options.ray.strategy``: placement group strategy
+                                    (``PACK``, ``SPREAD``, ``STRICT_PACK``, ``STRICT_SPREAD``)
+``GANGRUN_RAY_RUNTIME_ENV``         ``Options.ray.runtime_env``: JSON runtime env for the
+                                    rank actors
+``GANGRUN_RAY_PLACEMENT_TIMEOUT``   ``Options.ray.placement_timeout``: seconds to wait for
+                                    the placement group (300)
+``GANGRUN_RAY_FORWARD_ENV``         ``Options.ray.forward_env``: comma-separated caller
+                                    variables shipped to Ray ranks
+==================================  ======================================================
+
+Process settings of the caller (not per call; ``gangrun info`` shows them, `SETTINGS`):
+
+==================================  ======================================================
 ``GANGRUN_CACHE_DIR``               `gangrun.data`'s local file cache
 ``GANGRUN_SLOW_AFTER``              seconds a rank's step rate must stay under 0.8x the
                                     others' median before it is marked slow (60)
@@ -56,6 +67,8 @@ environment the kernel would not exec (one variable over 128 KiB, or the whole o
 
 from __future__ import annotations
 
+PREFIX = "GANGRUN_"  # every variable of gangrun's starts with it
+
 RUN_ID = "GANGRUN_RUN_ID"
 RUN_DIR = "GANGRUN_RUN_DIR"
 CALLER_PID = "GANGRUN_CALLER_PID"
@@ -65,7 +78,8 @@ CHECKPOINT_DIR = "GANGRUN_CALL_CHECKPOINT_DIR"
 RAY_NODE_ID = "GANGRUN_RAY_NODE_ID"
 RAY_NODE_IP = "GANGRUN_RAY_NODE_IP"
 
-START_METHOD = "GANGRUN_START_METHOD"
+START_METHOD = "GANGRUN_START_METHOD"  # the option start_method's variable
+CHECKPOINT_DIR_OPTION = "GANGRUN_CHECKPOINT_DIR"  # the option checkpoint_dir's variable
 PRELOAD = "GANGRUN_PRELOAD"
 FORKSERVER_START_TIMEOUT = "GANGRUN_FORKSERVER_START_TIMEOUT"
 RAY_STRATEGY = "GANGRUN_RAY_STRATEGY"
@@ -82,3 +96,22 @@ ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 # Every variable above that a rank inherits from its caller and that names *this* call:
 # never carried over into a nested or unrelated process (e.g. the fork server).
 PER_CALL = (RUN_ID, RUN_DIR, CALLER_PID, LIVENESS_FD, HANG_TIMEOUT, CHECKPOINT_DIR)
+
+# Process settings (the second table): variable -> (built-in default, what it sets).
+SETTINGS: dict[str, tuple[str, str]] = {
+    CACHE_DIR: ("~/.cache/gangrun/data", "gangrun.data's local file cache"),
+    SLOW_AFTER: ("60", "seconds under 0.8x the median step rate before a rank is slow"),
+    SILENT_AFTER: ("120", "seconds without any progress before a rank is silent"),
+    LOG_LEVEL: ("WARNING", "gangrun's own diagnostics on stderr (DEBUG narrates calls)"),
+    TRACKING_TIMEOUT: ("60", "seconds one tracking step of the caller may take"),
+}
+
+
+def option_var(name: str) -> str:
+    """The environment variable that defaults option ``name``: ``GANGRUN_<NAME>``."""
+    return PREFIX + name.upper()
+
+
+def ours(name: str) -> bool:
+    """Whether the environment variable ``name`` is one of gangrun's (``GANGRUN_*``)."""
+    return name.startswith(PREFIX)

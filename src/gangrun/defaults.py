@@ -23,12 +23,13 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .contract import RUN_ID, option_var
 from .errors import LaunchError
+from .options import GROUPS
 
-PREFIX = "GANGRUN_"
 # Option names whose GANGRUN_ variable means something else inside gangrun's own processes:
 # never read as an option default. GANGRUN_RUN_ID is the per-call id every rank sees.
-NOT_FROM_ENV = {"run_id": "GANGRUN_RUN_ID is gangrun's own call id inside ranks; use MLFLOW_RUN_ID"}
+NOT_FROM_ENV = {"run_id": f"{RUN_ID} is gangrun's own call id inside ranks; use MLFLOW_RUN_ID"}
 # Zero means "no limit" for these durations (as 0 did for `gangrun run --timeout 0`).
 ZERO_IS_NONE = frozenset({"timeout", "hang_timeout"})
 _WORLD = frozenset({"gpus", "processes"})
@@ -106,7 +107,7 @@ def _kind(name: str, annotation: str) -> str:
     a = annotation.replace(" ", "")
     if a.startswith("Literal"):
         return "choice"
-    if "Mapping" in a or "dict" in a or a.startswith("RayOptions"):
+    if "Mapping" in a or "dict" in a or a.startswith(("RayOptions", "ForkServerOptions")):
         return "json"
     if a.startswith("bool"):
         return "bool"
@@ -172,7 +173,7 @@ def _fields() -> dict[str, dataclasses.Field]:
 
 def env_var(name: str) -> str:
     """The environment variable that defaults option ``name``: ``GANGRUN_<NAME>``."""
-    return PREFIX + name.upper()
+    return option_var(name)
 
 
 def check_names(names: Iterable[str], what: str) -> None:
@@ -288,7 +289,71 @@ def resolve_with_sources(
             sources[name] = f"env {env_var(name)}" if label == "env" else label
     for name in _fields():
         sources.setdefault(name, "built-in")
-    return Options(**values).validate(), sources
+    opts = Options(**values).validate()
+    env = os.environ if environ is None else environ
+    groups = {g: _resolve_group(getattr(opts, g), g, sources, opts.env, env) for g in GROUPS}
+    return dataclasses.replace(opts, **groups), sources
+
+
+# ------------------------------------------------------------------------- option groups
+def parse_setting(var: str, kind: str, text: str) -> Any:
+    """The value of a group field's variable ``var`` (``kind`` from its field's metadata);
+    ``LaunchError`` naming the variable for a bad one."""
+    t = str(text).strip()
+    try:
+        if kind == "duration":
+            seconds = parse_duration(t)
+            if seconds is None or seconds <= 0:
+                raise ValueError("give a positive duration like 90s or 5m")
+            return seconds
+        if kind == "names" or kind == "modules":
+            if kind == "modules" and t.lower() in ("", "none", "0", "false"):
+                return ()
+            return tuple(x.strip() for x in t.split(",") if x.strip())
+        if kind == "json":
+            import json
+
+            value = json.loads(t) if t else {}
+            if not isinstance(value, dict):
+                raise ValueError("give a JSON object")
+            return value
+    except ValueError as exc:
+        raise LaunchError(f"{var}={text!r}: {exc}.") from None
+    return t
+
+
+def _resolve_group(
+    group: Any,
+    name: str,
+    sources: dict[str, str],
+    call_env: Mapping[str, str],
+    environ: Mapping[str, str],
+) -> Any:
+    """``group`` with every unset field taken from its variable (in the call's ``env``
+    option, then the environment) or its built-in default; each field's source goes into
+    ``sources`` as ``"<group>.<field>"``."""
+    from .options import settings_of
+
+    given = sources[name]
+    found: dict[str, Any] = {}
+    for field, meta in settings_of(group).items():
+        key, var = f"{name}.{field}", meta["env"]
+        if getattr(group, field) is not None:
+            sources[key] = given
+        elif var in call_env:
+            found[field] = parse_setting(var, meta["kind"], call_env[var])
+            sources[key] = f"env option {var}"
+        elif var in environ:
+            found[field] = parse_setting(var, meta["kind"], environ[var])
+            sources[key] = f"env {var}"
+        else:
+            sources[key] = "built-in"
+    try:
+        group = dataclasses.replace(group, **found).validate() if found else group
+    except LaunchError as exc:
+        where = ", ".join(f"{settings_of(group)[f]['env']}" for f in found)
+        raise LaunchError(f"{where}: {exc}") from None
+    return group.with_builtins()
 
 
 __all__ = [
@@ -305,4 +370,5 @@ __all__ = [
     "parse_size",
     "parse_bool",
     "parse_gpus",
+    "parse_setting",
 ]

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import contract
 from .errors import LaunchError
 from .serialization import DEFAULT_MAX_CAPTURE_BYTES
 
@@ -18,6 +19,72 @@ _OUTPUT_MODES = ("all", "rank0", "none")
 _START_METHODS = ("auto", "spawn", "forkserver")
 _BACKENDS = ("local", "ray")
 DEFAULT_MAX_SHIP_BYTES = 100 << 20
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _setting(var: str, kind: str, builtin: Any) -> Any:
+    """A group field defaulted by the environment variable ``var`` (read once per call, by
+    `gangrun.defaults.resolve`), else ``builtin``. ``None`` in the field means "not set"."""
+    return field(default=None, metadata={"env": var, "kind": kind, "builtin": builtin})
+
+
+def settings_of(group: Any) -> dict[str, dict[str, Any]]:
+    """The fields of an option group (class or instance) that have a variable: name ->
+    metadata (env, kind, builtin)."""
+    cls = group if isinstance(group, type) else type(group)
+    found = _SETTINGS.get(cls)
+    if found is None:
+        import dataclasses
+
+        found = {f.name: dict(f.metadata) for f in dataclasses.fields(cls) if "env" in f.metadata}
+        _SETTINGS[cls] = found
+    return found
+
+
+_SETTINGS: dict[type, dict[str, dict[str, Any]]] = {}
+
+
+def _with_builtins(group: Any) -> Any:
+    import dataclasses
+
+    unset = {k: m["builtin"] for k, m in settings_of(group).items() if getattr(group, k) is None}
+    return dataclasses.replace(group, **unset) if unset else group
+
+
+def _names(value: Any) -> Any:
+    """``"a, b"`` or a list -> ``("a", "b")`` (other values are left for `validate`)."""
+    if isinstance(value, str):
+        return tuple(x.strip() for x in value.split(",") if x.strip())
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _seconds_or_none(owner: str, name: str, v: Any) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0):
+        raise LaunchError(f"{owner}.{name} must be a positive number of seconds, got {v!r}.")
+
+
+def _coerce_group(cls: Any, value: Any, option: str, listed: tuple[str, ...]) -> Any:
+    if isinstance(value, cls):
+        return value.validate()
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise LaunchError(
+            f"{option} must be gangrun.{cls.__name__}(...) or a dict of its fields, got {value!r}."
+        )
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise LaunchError(f"{option}: unknown field(s) {unknown}; valid: {sorted(names)}.")
+    kw = dict(value)
+    for name in listed:  # lists (from JSON) as tuples; the comma-separated settings split
+        if isinstance(kw.get(name), list) or (name in settings_of(cls) and name in kw):
+            kw[name] = _names(kw[name])
+    return cls(**kw).validate()
 
 
 # --- Ray option group (issue 22) -------------------------------------------------------
@@ -36,6 +103,15 @@ class RayOptions:
         env_vars: variables Ray sets in the rank actors (its runtime env's ``env_vars``).
         runtime_env: any other Ray runtime env keys, merged under the above (default:
             ``GANGRUN_RAY_RUNTIME_ENV``, JSON).
+        strategy: the placement group's strategy, one of ``PACK`` (default), ``SPREAD``,
+            ``STRICT_PACK``, ``STRICT_SPREAD`` (default: ``GANGRUN_RAY_STRATEGY``).
+        placement_timeout: seconds to wait for the bundles (default 300, or
+            ``GANGRUN_RAY_PLACEMENT_TIMEOUT``; never longer than the call's ``timeout``).
+        forward_env: further caller variables shipped to the ranks (default:
+            ``GANGRUN_RAY_FORWARD_ENV``, comma separated).
+
+    A field left ``None`` takes its variable's value when the call's options are resolved,
+    else its built-in default.
     """
 
     ship: bool = True
@@ -44,30 +120,23 @@ class RayOptions:
     max_ship_bytes: int | None = DEFAULT_MAX_SHIP_BYTES
     pip: tuple[str, ...] = ()
     env_vars: Mapping[str, str] = field(default_factory=dict)
-    runtime_env: Mapping[str, Any] | None = None
+    runtime_env: Mapping[str, Any] | None = _setting(contract.RAY_RUNTIME_ENV, "json", None)
+    strategy: str | None = _setting(contract.RAY_STRATEGY, "str", "PACK")
+    placement_timeout: float | None = _setting(contract.RAY_PLACEMENT_TIMEOUT, "duration", 300.0)
+    forward_env: tuple[str, ...] | None = _setting(contract.RAY_FORWARD_ENV, "names", ())
 
     @classmethod
     def coerce(cls, value: Any) -> RayOptions:
         """``value`` as [`RayOptions`][gangrun.options.RayOptions] (from a dict such as ``{"pip": ["x"]}``)."""
-        if isinstance(value, cls):
-            return value.validate()
-        if value is None:
-            return cls()
-        if not isinstance(value, Mapping):
-            raise LaunchError(
-                f"ray must be gangrun.RayOptions(...) or a dict of its fields, got {value!r}."
-            )
-        import dataclasses
+        out: RayOptions = _coerce_group(
+            cls, value, "ray", ("paths", "excludes", "pip", "forward_env")
+        )
+        return out
 
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise LaunchError(f"ray: unknown field(s) {unknown}; valid: {sorted(names)}.")
-        kw = dict(value)
-        for name in ("paths", "excludes", "pip"):
-            if name in kw and isinstance(kw[name], (list, tuple)):
-                kw[name] = tuple(kw[name])
-        return cls(**kw).validate()
+    def with_builtins(self) -> RayOptions:
+        """The fields still unset (``None``) at their built-in defaults."""
+        out: RayOptions = _with_builtins(self)
+        return out
 
     def validate(self) -> RayOptions:
         if not isinstance(self.ship, bool):
@@ -85,10 +154,57 @@ class RayOptions:
             raise LaunchError(f"ray.env_vars must be a dict of str to str, got {self.env_vars!r}.")
         if self.runtime_env is not None and not isinstance(self.runtime_env, Mapping):
             raise LaunchError(f"ray.runtime_env must be a dict, got {self.runtime_env!r}.")
+        if isinstance(self.strategy, str):
+            object.__setattr__(self, "strategy", self.strategy.strip().upper())
+        if self.strategy is not None and self.strategy not in RAY_STRATEGIES:
+            raise LaunchError(
+                f"ray.strategy must be one of {RAY_STRATEGIES}, got {self.strategy!r}."
+            )
+        _seconds_or_none("ray", "placement_timeout", self.placement_timeout)
+        fe = self.forward_env
+        if fe is not None and (isinstance(fe, str) or not all(isinstance(x, str) for x in fe)):
+            raise LaunchError(f"ray.forward_env must be a list of variable names, got {fe!r}.")
         return self
 
 
 # --- end of the Ray option group
+
+
+@dataclass(frozen=True)
+class ForkServerOptions:
+    """The warm fork server that local ranks fork from (``Options.forkserver``; a dict is
+    accepted). Each field left ``None`` takes its variable's value when the call's options
+    are resolved, else its built-in default.
+
+    Attributes:
+        preload: modules the server imports before forking (default ``("torch",)``, or
+            ``GANGRUN_PRELOAD``: comma separated, ``none`` for nothing). Calls with other
+            modules get a server of their own.
+        start_timeout: seconds to wait for the server to start (default 300, or
+            ``GANGRUN_FORKSERVER_START_TIMEOUT``); past it the call starts fresh
+            interpreters instead.
+    """
+
+    preload: tuple[str, ...] | None = _setting(contract.PRELOAD, "modules", ("torch",))
+    start_timeout: float | None = _setting(contract.FORKSERVER_START_TIMEOUT, "duration", 300.0)
+
+    @classmethod
+    def coerce(cls, value: Any) -> ForkServerOptions:
+        """``value`` as [`ForkServerOptions`][gangrun.options.ForkServerOptions] (a dict of its fields)."""
+        out: ForkServerOptions = _coerce_group(cls, value, "forkserver", ("preload",))
+        return out
+
+    def with_builtins(self) -> ForkServerOptions:
+        """The fields still unset (``None``) at their built-in defaults."""
+        out: ForkServerOptions = _with_builtins(self)
+        return out
+
+    def validate(self) -> ForkServerOptions:
+        p = self.preload
+        if p is not None and (isinstance(p, str) or not all(isinstance(x, str) and x for x in p)):
+            raise LaunchError(f"forkserver.preload must be a list of module names, got {p!r}.")
+        _seconds_or_none("forkserver", "start_timeout", self.start_timeout)
+        return self
 
 
 @dataclass(frozen=True)
@@ -118,7 +234,10 @@ class Options:
         start_method: ``"auto"`` (fork server when usable), ``"spawn"`` or ``"forkserver"``.
         backend: ``"local"`` (this node) or ``"ray"`` (a Ray cluster).
         address: Ray cluster address (backend ``"ray"``; default ``RAY_ADDRESS``).
-        ray: how a Ray call reaches its nodes: [`RayOptions`][gangrun.options.RayOptions] (shipping, pip, ...).
+        ray: how a Ray call reaches its nodes: [`RayOptions`][gangrun.options.RayOptions] (shipping, pip,
+            placement, ...).
+        forkserver: the warm fork server local ranks fork from:
+            [`ForkServerOptions`][gangrun.options.ForkServerOptions] (preloaded modules, start timeout).
         log_system_metrics: log CPU/GPU/memory metrics to the MLflow run.
         hang_timeout: stop the gang when a rank makes no progress for this many seconds.
         gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
@@ -144,6 +263,7 @@ class Options:
     backend: Literal["local", "ray"] = "local"
     address: str | None = None
     ray: RayOptions = field(default_factory=RayOptions)  # issue 22: a typed group
+    forkserver: ForkServerOptions = field(default_factory=ForkServerOptions)
     # MLflow (docs/tracking.md); log_system_metrics None: on for gpus= calls, off for processes=
     log_system_metrics: bool | None = None
     experiment_name: str | None = None
@@ -211,6 +331,7 @@ class Options:
                 f"start_method must be one of {_START_METHODS}, got {self.start_method!r}."
             )
         object.__setattr__(self, "ray", RayOptions.coerce(self.ray))  # a dict is accepted
+        object.__setattr__(self, "forkserver", ForkServerOptions.coerce(self.forkserver))
         if self.backend not in _BACKENDS:
             raise LaunchError(f"backend must be one of {_BACKENDS}, got {self.backend!r}.")
         if self.gpu_type is not None and not (
@@ -285,4 +406,6 @@ def _device_list(gpus: Any) -> None:
         raise LaunchError(f"gpus={list(gpus)!r} names a device twice; list each index once.")
 
 
-__all__ = ["Options", "RayOptions", "DEFAULT_TIMEOUT"]
+GROUPS = ("ray", "forkserver")  # the options that are typed groups of settings
+
+__all__ = ["Options", "RayOptions", "ForkServerOptions", "GROUPS", "DEFAULT_TIMEOUT"]

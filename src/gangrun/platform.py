@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from . import contract
+
 log = logging.getLogger("gangrun.platform")
 
 
@@ -76,7 +78,7 @@ def sweep(run_id: str, since_ticks: int = 0, sig: int = signal.SIGKILL) -> list[
     left its rank's process group, e.g. with ``setsid``). Reads ``/proc`` directly and only
     the environment of processes started since ``since_ticks`` (see `ticks_now`): a
     few ms. Returns the pids it signalled."""
-    marker = f"\0GANGRUN_RUN_ID={run_id}\0".encode()
+    marker = f"\0{contract.RUN_ID}={run_id}\0".encode()
     me = os.getpid()
     hit: list[int] = []
     try:

@@ -151,6 +151,11 @@ def test_info(tmp_path):
     assert "accelerators" in out
     assert "RANK=0" in out and "WORLD_SIZE=3" in out and "MASTER_ADDR=127.0.0.1" in out
     assert os.environ.get("RANK") is None  # info starts nothing
+    # every setting with its source: the option groups' fields and the process settings
+    rows = {ln.split()[0]: ln.split()[-1] for ln in out.splitlines() if ln.startswith("  ")}
+    assert rows["processes"] == "argument"
+    assert rows["ray.strategy"] == rows["forkserver.preload"] == "built-in"
+    assert "GANGRUN_SLOW_AFTER" in rows and "GANGRUN_LOG_LEVEL" in rows
 
 
 def test_script_travels_with_its_source(tmp_path, monkeypatch):

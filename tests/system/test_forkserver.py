@@ -285,10 +285,12 @@ def test_falls_back_to_spawn_when_the_server_cannot_start(monkeypatch, capfd):
     finally:
         monkeypatch.undo()
         client.registry.start_failure = None
+        client.registry.failures = 0
         forkserver.discard_server()
 
 
 def test_spawner_choice(monkeypatch):
+    from gangrun.defaults import resolve
     from gangrun.launch import GangSpec, RankSpec
     from gangrun.launch.forkserver.spawner import ForkServerSpawner
     from gangrun.launch.gang import choose_spawner
@@ -300,13 +302,49 @@ def test_spawner_choice(monkeypatch):
     chosen = choose_spawner(spec)
     assert isinstance(chosen, ForkServerSpawner)
     chosen.release(0.0)
-    spec.start_method = "auto"
+    # GANGRUN_START_METHOD is read once, as the option's default; the launcher does not read
+    # it again, so a spec (an option) of "auto" stays "auto" (issue 23 item 6)
     monkeypatch.setenv("GANGRUN_START_METHOD", "spawn")
+    spec.start_method = resolve({}).start_method  # what a call's options resolve to
     assert isinstance(choose_spawner(spec), SpawnSpawner)
-    monkeypatch.delenv("GANGRUN_START_METHOD")
+    spec.start_method = "auto"
     chosen = choose_spawner(spec)
     assert isinstance(chosen, ForkServerSpawner)
     chosen.release(0.0)
+
+
+def test_a_failed_start_is_retried_after_its_back_off(monkeypatch, capfd):
+    """Issue 23 item 6: one failed fork-server start used to send every later ``auto`` call
+    of the process to fresh interpreters for good. A real boot failure, then a server that
+    can start: calls within the back-off spawn (no new attempt), the first call after it
+    uses the fork server again."""
+    forkserver.discard_server()
+    auto = _describe.options(start_method="auto")
+    boot = client.BOOT
+    monkeypatch.setattr(client, "BOOT", "import sys; sys.exit(3)")
+    try:
+        out = auto.distributed("fails")
+        assert all(o["ppid"] == os.getpid() for o in out), "spawned by the caller itself"
+        assert "fork server is unavailable" in capfd.readouterr().err
+        assert client.registry.start_failure is not None
+        monkeypatch.setattr(client, "BOOT", boot)  # the server can start from now on
+        wait = client.registry.retry_in()
+        assert 0 < wait <= client.RETRY_FIRST_S
+        out = auto.distributed("backing-off")
+        assert all(o["ppid"] == os.getpid() for o in out), "retried within the back-off"
+        assert forkserver.server_info() is None
+        later = time.monotonic() + wait + 1.0  # the back-off is over
+        monkeypatch.setattr(client.registry, "clock", lambda: later)
+        out = auto.distributed("retried")
+        server = _server_pid()
+        assert all(o["ppid"] == server for o in out), "not forked from the restarted server"
+        assert (client.registry.start_failure, client.registry.failures) == (None, 0)
+        assert "fork server is unavailable" not in capfd.readouterr().err
+    finally:
+        monkeypatch.undo()
+        client.registry.start_failure = None
+        client.registry.failures = 0
+        forkserver.discard_server()
 
 
 CALLER = """

@@ -11,7 +11,7 @@ from gangrun.errors import (
     DistributedTimeoutError,
     LaunchError,
 )
-from gangrun.options import RayOptions
+from gangrun.options import ForkServerOptions, RayOptions
 
 
 @pytest.mark.parametrize(
@@ -80,6 +80,7 @@ FLAG_CASES = [
     (["--backend", "ray"], "backend", "ray"),
     (["--address", "head:6379"], "address", "head:6379"),
     (["--ray", '{"ship": false}'], "ray", RayOptions(ship=False)),
+    (["--forkserver", '{"start_timeout": 60}'], "forkserver", ForkServerOptions(start_timeout=60)),
     (["--system-metrics"], "log_system_metrics", True),
     (["--no-system-metrics"], "log_system_metrics", False),
     (["--hang-timeout", "2m"], "hang_timeout", 120.0),
@@ -108,7 +109,9 @@ def test_each_flag_reaches_the_options(argv, option, value, no_defaults):
         explicit = options_from_args(ns)
         assert explicit[option] == value
         opts, sources = _defaults.resolve_with_sources(explicit)
-        assert getattr(opts, option) == value
+        # an option group: its unset settings are resolved (built-in defaults here)
+        want = value.with_builtins() if hasattr(value, "with_builtins") else value
+        assert getattr(opts, option) == want
         assert sources[option] == "argument"
         assert set(explicit) == {option}  # flags not given stay to the defaults
 

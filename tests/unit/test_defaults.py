@@ -10,7 +10,7 @@ import pytest
 import gangrun
 from gangrun import LaunchError, Options, distributed
 from gangrun import defaults as d
-from gangrun.options import RayOptions
+from gangrun.options import ForkServerOptions, RayOptions
 
 # One value per option, as text for GANGRUN_<OPTION>, and the value it must become. Every
 # field of Options must be here (see test_every_option_has_an_env_case).
@@ -32,7 +32,9 @@ ENV_CASES = {
     "start_method": ("spawn", "spawn"),
     "backend": ("ray", "ray"),
     "address": ("head:6379", "head:6379"),
-    "ray": ('{"ship": false, "pip": ["x"]}', RayOptions(ship=False, pip=("x",))),
+    # option groups: resolved with every setting at its default (built-in here)
+    "ray": ('{"ship": false, "pip": ["x"]}', RayOptions(ship=False, pip=("x",)).with_builtins()),
+    "forkserver": ('{"preload": ["json"]}', ForkServerOptions(preload=("json",)).with_builtins()),
     "log_system_metrics": ("true", True),
     "hang_timeout": ("90s", 90.0),
     "gpu_wait": ("none", None),

@@ -9,7 +9,7 @@ from gangrun.launch.forkserver.client import Registry, startup_signature
 
 
 class FakeServer:
-    def __init__(self, preload, env_sig, pool) -> None:
+    def __init__(self, preload, env_sig, pool, start_timeout) -> None:
         self.env_sig = env_sig
         self.closed = False
         self.dead = False

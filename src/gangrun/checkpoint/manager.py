@@ -76,7 +76,7 @@ class Checkpointer:
             raise RuntimeError(
                 "Checkpointer: no checkpoint location. Name one for the call: "
                 "@distributed(checkpoint_dir='s3://bucket/run') (or .options(...), the "
-                "--checkpoint-dir flag, GANGRUN_CHECKPOINT_DIR), or Checkpointer(dir=...)."
+                f"--checkpoint-dir flag, {contract.CHECKPOINT_DIR_OPTION}), or Checkpointer(dir=...)."
             )
         for name, v in (("every", every), ("keep", keep)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -16,6 +16,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 
+from ..contract import CACHE_DIR
 from .listing import O_CLOEXEC, read_fd
 
 _OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)  # Linux
@@ -35,7 +36,7 @@ def parse_size(value: int | str | None) -> int | None:
 
 def default_cache_dir() -> str:
     """``$GANGRUN_CACHE_DIR``, else ``~/.cache/gangrun/data`` (shared by all ranks of a node)."""
-    env = os.environ.get("GANGRUN_CACHE_DIR")
+    env = os.environ.get(CACHE_DIR)
     if env:
         return env
     return os.path.join(os.path.expanduser("~"), ".cache", "gangrun", "data")

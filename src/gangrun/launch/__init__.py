@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..options import RayOptions
+    from ..options import ForkServerOptions, RayOptions
     from ..output import OutputPump
 
 
@@ -54,6 +54,7 @@ class GangSpec:
     grace_period: float = 5.0
     cwd: str = ""  # the ranks' working directory (the caller's)
     start_method: str = "auto"  # auto | spawn | forkserver (local backend)
+    forkserver: ForkServerOptions | None = None  # the fork server's settings (None: built-in)
     placement: RayPlacement | None = None  # set: the Ray backend
 
 

@@ -41,9 +41,9 @@ def open_log(log_dir: str, rank: int) -> IO[bytes]:
 
 
 def start_method(spec: GangSpec) -> str:
+    """The spec's start method (the call's option: ``GANGRUN_START_METHOD`` was read, once,
+    as its default when the options were resolved; an explicit ``"auto"`` wins over it)."""
     method = spec.start_method
-    if method == "auto":
-        method = os.environ.get("GANGRUN_START_METHOD", "auto") or "auto"
     return method if method in _START_METHODS else "auto"
 
 
@@ -64,8 +64,9 @@ def choose_spawner(spec: GangSpec) -> Spawner:
     from .forkserver import client
     from .forkserver.spawner import ForkServerSpawner
 
-    if method == "auto" and not (client.usable() and client.registry.start_failure is None):
-        why = "an earlier start failed" if client.registry.start_failure else "not usable here"
+    wait = client.registry.retry_in()
+    if method == "auto" and not (client.usable() and wait <= 0):
+        why = f"failed to start: retried in {wait:.0f}s" if wait > 0 else "not usable here"
         log.debug("call %s: spawner: fresh interpreters (fork server %s)", spec.run_id, why)
         return SpawnSpawner()
     try:

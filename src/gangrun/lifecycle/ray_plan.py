@@ -2,14 +2,14 @@
 
 The second planner beside `gangrun.lifecycle.plan.plan_local`. It connects to the
 cluster (``address=`` / ``RAY_ADDRESS``) to read its resources, sizes the world, and decides
-the `gangrun.launch.RayPlacement` the Ray launcher uses. Knobs (read from ``env=``
-first, then the caller's environment): ``GANGRUN_RAY_STRATEGY``, ``GANGRUN_RAY_RUNTIME_ENV``,
-``GANGRUN_RAY_PLACEMENT_TIMEOUT``, ``GANGRUN_RAY_FORWARD_ENV`` (see `gangrun.contract`).
+the `gangrun.launch.RayPlacement` the Ray launcher uses. Its settings are the fields of
+``opts.ray`` (`gangrun.RayOptions`: ``strategy``, ``runtime_env``, ``placement_timeout``,
+``forward_env``), resolved once with the call's options (their variables, e.g.
+``GANGRUN_RAY_STRATEGY``, are read there: `gangrun.defaults`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 from .. import contract
 from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
-from ..launch.ray.placement import STRATEGIES, connect, fmt_resources
+from ..launch.ray.placement import connect, fmt_resources
 from ..options import Options
 from .plan import Plan, function_name
 
@@ -39,7 +39,7 @@ _FORWARD_PREFIXES = (
     "MKL_",
     "AWS_",
     "FSSPEC_",
-    "GANGRUN_",
+    contract.PREFIX,
     "PYTHONHASHSEED",
     "PYTHONFAULTHANDLER",
     "DS_",
@@ -51,13 +51,6 @@ def _type_matches(ray_type: str, want: str) -> bool:
 
     # Ray's names look like "H100", "A10G", "NVIDIA_H100-80GB"...
     return accelerators.matches_type(ray_type.replace("_", " "), want)
-
-
-def _knob(opts: Options, name: str, default: str | None = None) -> str | None:
-    env = opts.env or {}
-    if name in env:
-        return str(env[name])
-    return os.environ.get(name, default)
 
 
 def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]:
@@ -106,17 +99,15 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
         plan.gpu_name = match[0] if match else opts.gpu_type
     elif kind == "GPU":
         plan.gpu_name = types[0] if len(types) == 1 else None
-    strategy = (_knob(opts, contract.RAY_STRATEGY, "PACK") or "PACK").upper()
-    if strategy not in STRATEGIES:
-        raise LaunchError(f"GANGRUN_RAY_STRATEGY must be one of {STRATEGIES}, got {strategy!r}.")
+    settings = opts.ray.with_builtins()
     runtime_env = _upload_local_dirs(ray, runtime_env_of(opts))
-    timeout = float(_knob(opts, contract.RAY_PLACEMENT_TIMEOUT, "300") or 300)
+    timeout = float(settings.placement_timeout or 300.0)
     if opts.timeout is not None:
         timeout = min(timeout, float(opts.timeout))
     user = {str(k): str(v) for k, v in (opts.env or {}).items()}
     placement = RayPlacement(
         bundle=bundle,
-        strategy=strategy,
+        strategy=settings.strategy or "PACK",
         runtime_env=runtime_env,
         placement_timeout=timeout,
         gpu_type=opts.gpu_type if kind == "GPU" else None,
@@ -130,16 +121,7 @@ def runtime_env_of(opts: Options) -> dict[str, Any]:
     """The rank actors' Ray runtime env: ``RayOptions.runtime_env`` (default
     ``GANGRUN_RAY_RUNTIME_ENV``), with ``RayOptions.pip`` and ``env_vars`` merged in."""
     ro = opts.ray
-    if ro.runtime_env is not None:
-        runtime_env = dict(ro.runtime_env)
-    else:
-        raw = _knob(opts, contract.RAY_RUNTIME_ENV)
-        try:
-            runtime_env = json.loads(raw) if raw else {}
-        except ValueError as exc:
-            raise LaunchError(f"GANGRUN_RAY_RUNTIME_ENV is not valid JSON: {exc}") from exc
-        if not isinstance(runtime_env, dict):
-            raise LaunchError("GANGRUN_RAY_RUNTIME_ENV must be a JSON object.")
+    runtime_env = dict(ro.runtime_env or {})
     if ro.pip:
         have = runtime_env.get("pip") or []
         if not isinstance(have, list):
@@ -184,7 +166,7 @@ def ship_env(
     belong to the caller's machine); and set the placement on the spec."""
     caller = os.environ
     user = {str(k): str(v) for k, v in (opts.env or {}).items()}
-    names = {s.strip() for s in (_knob(opts, contract.RAY_FORWARD_ENV) or "").split(",")}
+    names = set(opts.ray.with_builtins().forward_env or ())
     for rs in spec.ranks:
         base = rs.env
         rs.env = {
@@ -232,7 +214,7 @@ def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
         return env  # type: ignore[no-any-return]
     except Exception as exc:
         raise LaunchError(
-            f"Could not upload the local working_dir/py_modules of GANGRUN_RAY_RUNTIME_ENV "
+            f"Could not upload the local working_dir/py_modules of {contract.RAY_RUNTIME_ENV} "
             f"({exc}). Pass them to ray.init(runtime_env=...) yourself before the call, or "
             "give URIs (s3://..., gs://...) instead."
         ) from exc

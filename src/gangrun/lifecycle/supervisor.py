@@ -277,6 +277,7 @@ class Supervisor:
             grace_period=self.opts.grace_period,
             cwd=self.context.cwd,
             start_method=self.opts.start_method,
+            forkserver=self.opts.forkserver,
         )
         if self.placement is not None:
             from .ray_plan import ship_env

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..contract import RUN_ID
 from ..errors import LaunchError
 
 
@@ -51,7 +52,7 @@ def bind_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any
 def refuse_nested(env: Mapping[str, str] | None = None) -> None:
     """Raise [`LaunchError`][gangrun.errors.LaunchError] when called inside a rank of a gangrun call."""
     env = os.environ if env is None else env
-    run_id = env.get("GANGRUN_RUN_ID")
+    run_id = env.get(RUN_ID)
     if not run_id:
         return
     rank = env.get("RANK", "?")

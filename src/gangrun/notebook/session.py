@@ -91,7 +91,7 @@ def on_decorate(opts: Any) -> None:
         return
     from .warm import prewarm_soon
 
-    prewarm_soon()
+    prewarm_soon(getattr(opts, "forkserver", None))
 
 
 __all__ = ["attach", "on_decorate", "panel_wanted"]

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..options import ForkServerOptions
 
 log = logging.getLogger("gangrun.notebook")
 
@@ -47,21 +50,23 @@ KERNEL_MODULES = (
 )
 
 
-def prewarm(pool: int = 2) -> None:
-    """Start this caller's fork server now (the one seam onto the launch package)."""
+def prewarm(pool: int = 2, settings: ForkServerOptions | None = None) -> None:
+    """Start this caller's fork server now (the one seam onto the launch package), with
+    the decorated function's ``forkserver`` settings. Whether to (``start_method``) is the
+    caller's choice: `gangrun.notebook.session.on_decorate` reads the resolved option."""
     from ..launch import forkserver
 
-    if os.environ.get("GANGRUN_START_METHOD", "auto") == "spawn" or not forkserver.usable():
+    if not forkserver.usable():
         return
-    forkserver.prewarm(pool)
+    forkserver.prewarm(pool, settings)
 
 
-def _run() -> None:
+def _run(settings: ForkServerOptions | None) -> None:
     # Not reniced: the server (and every rank forked from it) would inherit the nice value,
     # and an unprivileged process cannot raise it back. The work runs in the server's own
     # process anyway; this thread only waits for it.
     try:
-        prewarm()
+        prewarm(settings=settings)
     except Exception as exc:
         log.info("gangrun: the fork server could not be started ahead of the call: %s", exc)
     import_call_modules()
@@ -80,14 +85,16 @@ def import_call_modules() -> None:
             log.info("gangrun: could not import %s ahead of the call: %s", name, exc)
 
 
-def prewarm_soon() -> bool:
+def prewarm_soon(settings: ForkServerOptions | None = None) -> bool:
     """Start `prewarm` in a daemon thread, once per process. True if it started now."""
     global _started, _thread
     with _lock:
         if _started:
             return False
         _started = True
-        _thread = threading.Thread(target=_run, name="gangrun-prewarm", daemon=True)
+        _thread = threading.Thread(
+            target=_run, args=(settings,), name="gangrun-prewarm", daemon=True
+        )
     _thread.start()
     return True
 

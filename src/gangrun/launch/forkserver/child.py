@@ -88,7 +88,7 @@ def publish_environ(env: dict[str, str]) -> None:
         head = (contract.ENVIRON_PAD + "=").encode()
         if start == 0 or ctypes.string_at(start, len(head)) != head:
             return
-        first = [k for k in env if k.startswith("GANGRUN_")]
+        first = [k for k in env if contract.ours(k)]
         first += ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
         order = list(dict.fromkeys([k for k in first if k in env] + list(env)))
         blob = bytearray()

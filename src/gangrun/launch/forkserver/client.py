@@ -7,6 +7,10 @@ server per signature while any call uses it (a call with another signature gets 
 server and never disturbs a running one: issue 12, item 1), keeps the last one warm for the
 next call, and closes the other idle ones.
 
+A server that failed to start is not tried again at once: ``auto`` calls start fresh
+interpreters for a back-off (`RETRY_FIRST_S`, doubled after each further failure, at most
+`RETRY_MAX_S`), then try again; one good start forgets the failures.
+
 In a child forked from the caller the registry forgets every server (their channels are
 closed there, not used): the server notices the caller's death by its channel's EOF, and a
 forked child must not hold that open (item 3).
@@ -21,16 +25,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ... import contract, platform
+from ...options import ForkServerOptions
 from . import protocol as p
 from .child import pad_value
 
 log = logging.getLogger("gangrun.launch.forkserver")
 
-DEFAULT_PRELOAD = "torch"
+RETRY_FIRST_S = 10.0  # after a failed start, auto calls spawn for this long, then retry
+RETRY_MAX_S = 600.0  # the back-off doubles after each further failure, up to this
 BOOT = (
     "import sys; sys.path.insert(0, {path!r}); "
     "from gangrun.launch.forkserver.server import serve; serve(int(sys.argv[1]), {path!r})"
@@ -69,13 +76,6 @@ def startup_signature(env: dict[str, str]) -> Signature:
     return tuple(sorted((k, v) for k, v in env.items() if startup_var(k)))
 
 
-def preload_modules() -> tuple[str, ...]:
-    raw = os.environ.get(contract.PRELOAD, DEFAULT_PRELOAD)
-    if raw.strip().lower() in ("", "none", "0", "false"):
-        return ()
-    return tuple(m.strip() for m in raw.split(",") if m.strip())
-
-
 def usable() -> bool:
     return (
         sys.platform.startswith("linux")
@@ -92,7 +92,13 @@ class ForkServerError(RuntimeError):
 class ForkServer:
     """The caller's handle on one fork server process."""
 
-    def __init__(self, preload: tuple[str, ...], env_sig: Signature, pool: int = 2) -> None:
+    def __init__(
+        self,
+        preload: tuple[str, ...],
+        env_sig: Signature,
+        pool: int = 2,
+        start_timeout: float = 300.0,
+    ) -> None:
         from ..spawn import GANGRUN_PARENT
 
         self.preload = preload
@@ -111,7 +117,7 @@ class ForkServer:
                     pass  # the system's maximum applies: large gangs need several messages
         env = {contract.ENVIRON_PAD: pad_value()}
         for k, v in os.environ.items():
-            if k in _SERVER_DROP or k.startswith("GANGRUN_") or startup_var(k):
+            if k in _SERVER_DROP or contract.ours(k) or startup_var(k):
                 continue
             env[k] = v
         env.update(dict(env_sig))
@@ -132,7 +138,7 @@ class ForkServer:
         self.sock = parent
         try:
             p.send(parent, p.Init(list(map(os.fspath, sys.path)), list(preload), pool))
-            parent.settimeout(float(os.environ.get(contract.FORKSERVER_START_TIMEOUT, "300")))
+            parent.settimeout(start_timeout)
             msg, _ = p.recv(parent)
             if not isinstance(msg, p.Ready):
                 raise ForkServerError(
@@ -209,7 +215,7 @@ class ForkServer:
             return  # not open here
 
 
-Factory = Callable[[tuple[str, ...], Signature, int], ForkServer]
+Factory = Callable[[tuple[str, ...], Signature, int, float], ForkServer]
 
 
 @dataclass
@@ -221,18 +227,37 @@ class _Entry:
 class Registry:
     """The fork servers of this process, one per start-up signature (see module doc)."""
 
-    def __init__(self, factory: Factory = ForkServer) -> None:
+    def __init__(
+        self, factory: Factory = ForkServer, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.factory = factory
-        self.start_failure: str | None = None
+        self.clock = clock
+        self.start_failure: str | None = None  # the last failed start, until one succeeds
+        self.failures = 0  # failed starts in a row
+        self._retry_at = 0.0
         self._servers: dict[tuple[tuple[str, ...], Signature], _Entry] = {}
         self._last: ForkServer | None = None
         self._lock = threading.Lock()
         platform.forget_in_forked_child(self)
 
-    def lease(self, env_sig: Signature, pool: int = 2) -> ForkServer:
-        """A running server for this signature (started if needed); give it back with
-        `release` when the gang is done."""
-        key = (preload_modules(), env_sig)
+    def retry_in(self) -> float:
+        """Seconds until a server may be started again after a failed start (0: now)."""
+        if self.start_failure is None:
+            return 0.0
+        return max(0.0, self._retry_at - self.clock())
+
+    def lease(
+        self,
+        env_sig: Signature,
+        pool: int = 2,
+        settings: ForkServerOptions | None = None,
+    ) -> ForkServer:
+        """A running server for this signature and the preloaded modules of ``settings``
+        (the call's ``forkserver`` option; started if needed); give it back with `release`
+        when the gang is done."""
+        fs = (settings or ForkServerOptions()).with_builtins()
+        key = (tuple(fs.preload or ()), env_sig)
+        start_timeout = float(fs.start_timeout or 300.0)
         idle: list[ForkServer] = []
         with self._lock:
             entry = self._servers.get(key)
@@ -242,11 +267,15 @@ class Registry:
                 entry = None
             if entry is None:
                 try:
-                    entry = _Entry(self.factory(key[0], env_sig, pool))
+                    entry = _Entry(self.factory(key[0], env_sig, pool, start_timeout))
                 except BaseException as exc:
                     self.start_failure = f"{type(exc).__name__}: {exc}"
+                    self.failures += 1
+                    back_off = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self.failures - 1))
+                    self._retry_at = self.clock() + back_off
                     raise
                 self.start_failure = None
+                self.failures = 0
                 self._servers[key] = entry
             entry.users += 1
             self._last = entry.server

@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ...exitcodes import signal_name
 from ...platform import signal_tree, wait_gone
@@ -15,6 +16,9 @@ from .. import GangSpec, RankIO, RankProcess, RankSpec
 from ..spawn import close_fds, close_write_ends
 from . import protocol as p
 from .client import ForkServer, ForkServerError, Signature, registry, startup_signature
+
+if TYPE_CHECKING:
+    from ...options import ForkServerOptions
 
 _BROKEN = (OSError, ForkServerError, EOFError, pickle.PickleError)
 log = logging.getLogger("gangrun.launch.forkserver")
@@ -78,17 +82,24 @@ class ForkedProcess:
 class ForkServerSpawner:
     name = "forkserver"
 
-    def __init__(self, server: ForkServer, env_sig: Signature, pool: int) -> None:
+    def __init__(
+        self,
+        server: ForkServer,
+        env_sig: Signature,
+        pool: int,
+        settings: ForkServerOptions | None = None,
+    ) -> None:
         self.server: ForkServer | None = server
         self._env_sig = env_sig
         self._pool = pool
+        self._settings = settings
 
     @classmethod
     def lease(cls, spec: GangSpec) -> ForkServerSpawner:
         """A spawner holding a lease on the server for this gang's start-up signature."""
         env_sig = startup_signature(spec.ranks[0].env) if spec.ranks else ()
         pool = len(spec.ranks)
-        return cls(registry.lease(env_sig, pool), env_sig, pool)
+        return cls(registry.lease(env_sig, pool, spec.forkserver), env_sig, pool, spec.forkserver)
 
     def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         try:
@@ -99,7 +110,7 @@ class ForkServerSpawner:
                 # The server died or broke: one fresh server for this signature, once.
                 registry.discard(self.server)
                 self.server = None
-                self.server = registry.lease(self._env_sig, self._pool)
+                self.server = registry.lease(self._env_sig, self._pool, self._settings)
                 return self._start_on(self.server, spec, ranks)
         finally:
             close_write_ends(ranks)

@@ -8,9 +8,9 @@ from typing import Any
 
 from ... import contract
 from ...errors import LaunchError
+from ...options import RAY_STRATEGIES as STRATEGIES  # noqa: F401 (launch.ray exports it)
 from .. import GangSpec, RankSpec, RayPlacement
 
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 # Per-node variables the actor computes (the caller's values mean nothing on another node).
 _NODE_LOCAL = ("CUDA_VISIBLE_DEVICES",)
 
@@ -78,7 +78,7 @@ def reserve(ray: Any, placement: RayPlacement, n: int) -> Any:
         raise LaunchError(
             f"Ray could not reserve {n} bundle(s) of {bundle} with strategy "
             f"{placement.strategy} within {wait:g}s (available now: {fmt_resources(avail)}). "
-            "Free resources, ask for fewer ranks, or change GANGRUN_RAY_STRATEGY."
+            f"Free resources, ask for fewer ranks, or change {contract.RAY_STRATEGY}."
         )
     return pg
 
