@@ -10,9 +10,11 @@ import types
 import cloudpickle
 import pytest
 
+from gangrun import checks
 from gangrun.errors import DistributedError, LaunchError
-from gangrun.notebook import checks, html, routing, source
+from gangrun.notebook import html, routing
 from gangrun.notebook.state import CallState
+from gangrun.rank import source
 
 
 # -- checks ------------------------------------------------------------------------------

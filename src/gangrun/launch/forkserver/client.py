@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ... import contract, platform
+from ...rank.forkchild import pad_value
 from . import protocol as p
-from .child import pad_value
 
 log = logging.getLogger("gangrun.launch.forkserver")
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..errors import LaunchError
+from .errors import LaunchError
 
 
 class LaunchArgumentError(LaunchError, TypeError):
