@@ -150,10 +150,10 @@ def panel_costs(reps: int) -> dict[str, list[float]]:
     the grid of 12 charts of 2 ranks x 1000 steps each."""
     import tempfile as _tf
 
-    from gangrun import progress
     from gangrun.lifecycle.watch import ProgressTracker
     from gangrun.notebook.html import render_panel, svg_chart
     from gangrun.notebook.state import CallState
+    from gangrun.rank import progress
 
     out: dict[str, list[float]] = {"read_ms": [], "render_ms": [], "grid_ms": []}
     with _tf.TemporaryDirectory() as d:

@@ -28,14 +28,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
-    from .checkpoint.manager import Checkpointer, should_stop
     from .defaults import reset_defaults, set_defaults
-    from .hang import heartbeat
     from .interactive.magic import load_ipython_extension
-    from .interactive.rank import rank_state
     from .interactive.session import Gang
     from .options import ForkServerOptions, RayOptions
-    from .progress import report_step
+    from .rank.checkpointer import Checkpointer, should_stop
+    from .rank.heartbeat import heartbeat
+    from .rank.interactive import rank_state
+    from .rank.progress import report_step
     from .records import RankFailure
 
 _LAZY = {
@@ -47,15 +47,15 @@ _LAZY = {
     "ForkServerOptions": "options",
     "device": "accelerators",
     "backend": "accelerators",
-    "heartbeat": "hang",
-    "report_step": "progress",
-    "Checkpointer": "checkpoint.manager",
-    "should_stop": "checkpoint.manager",
+    "heartbeat": "rank.heartbeat",
+    "report_step": "rank.progress",
+    "Checkpointer": "rank.checkpointer",
+    "should_stop": "rank.checkpointer",
     "RankFailure": "records",
     "set_defaults": "defaults",
     "reset_defaults": "defaults",
     "Gang": "interactive.session",
-    "rank_state": "interactive.rank",
+    "rank_state": "rank.interactive",
     "load_ipython_extension": "interactive.magic",
 }
 

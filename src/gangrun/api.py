@@ -175,9 +175,9 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
-        from . import _log
+        from . import _log, checks
         from .lifecycle import Supervisor
-        from .notebook import checks, session
+        from .notebook import session
 
         _log.configure()  # GANGRUN_LOG_LEVEL, once per process
         checks.refuse_nested()  # inside a rank: fail there, start no inner gang

@@ -1,6 +1,6 @@
 """The caller <-> rank contract: every ``GANGRUN_*`` environment variable in one place.
 
-Set by the caller for each rank (read by the rank side, `gangrun.worker`):
+Set by the caller for each rank (read by the rank side, `gangrun.rank.worker`):
 
 ==============================  ==========================================================
 ``GANGRUN_RUN_ID``              the call's id; also the marker the teardown sweep looks
@@ -11,7 +11,7 @@ Set by the caller for each rank (read by the rank side, `gangrun.worker`):
 ``GANGRUN_LIVENESS_FD``         fd of the read end of the caller's liveness pipe: EOF means
                                 the caller died, and the rank kills its own tree
 ``GANGRUN_HANG_TIMEOUT``        seconds; when set, the rank starts the hang guard's
-                                heartbeat and stack-dump handler (`gangrun.hang`)
+                                heartbeat and stack-dump handler (`gangrun.rank.heartbeat`)
 ``GANGRUN_CALL_CHECKPOINT_DIR``  where the call's checkpoints live (the resolved
                                 ``checkpoint_dir`` option, or the one the resumed MLflow run
                                 recorded): `gangrun.Checkpointer` saves and restores

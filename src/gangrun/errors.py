@@ -6,7 +6,19 @@ from .exitcodes import signal_name
 
 TYPE_CHECKING = False  # not typing's: importing typing is most of `import gangrun`'s time
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .records import RankFailure
+
+# An error's HTML form in a notebook (`DistributedError._repr_html_`). This module is a leaf:
+# the notebook side, imported by every decoration and call, registers its renderer here.
+_html: Callable[[DistributedError], str] | None = None
+
+
+def register_html(render: Callable[[DistributedError], str] | None) -> None:
+    """Render errors with ``render`` in a notebook (``None``: plain text only)."""
+    global _html
+    _html = render
 
 
 class DistributedError(RuntimeError):
@@ -56,10 +68,9 @@ class DistributedError(RuntimeError):
     def signal(self) -> str | None:
         return signal_name(self.exitcode)
 
-    def _repr_html_(self) -> str:
-        from .notebook.html import error_html
-
-        return error_html(self)
+    def _repr_html_(self) -> str | None:
+        render = _html  # None: IPython shows the plain text
+        return None if render is None else render(self)
 
     def __reduce__(self):  # keep attributes across pickling
         return (

@@ -2,7 +2,7 @@
 
 Plain records and their formatting (no I/O): `Progress` for the gang and
 `RankProgress` for each rank, computed by `gangrun.lifecycle.watch` from the
-ranks' step reports (`gangrun.progress`).
+ranks' step reports (`gangrun.rank.progress`).
 """
 
 from __future__ import annotations

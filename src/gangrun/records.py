@@ -1,6 +1,6 @@
 """Typed records the caller and its ranks exchange through the run directory.
 
-Rank-side safe: imports nothing of gangrun's caller side, so `gangrun.worker` (inside a
+Rank-side safe: imports nothing of gangrun's caller side, so `gangrun.rank.worker` (inside a
 rank) and the call's lifecycle (in the caller) share these definitions.
 
 - `RankContext` is ``context.json``: what a rank adopts from its caller (``sys.path``,

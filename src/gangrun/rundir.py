@@ -10,7 +10,7 @@
     error.<rank>.pkl     rank <rank>'s failure record (exception type, message, traceback)
     heartbeat.<rank>     hang guard: touched by the rank on progress
     stacks.<rank>        hang guard: the rank's stacks, dumped on request
-    progress.<rank>      the rank's last step report (`gangrun.progress`)
+    progress.<rank>      the rank's last step report (`gangrun.rank.progress`)
     stop.request         the caller asks the ranks to checkpoint and stop (a preemption)
     stop.teardown        the caller is tearing the gang down: a SIGTERM now means "die"
     stop.<rank>.json     rank <rank> saved a checkpoint and stopped (preempted)

@@ -220,7 +220,8 @@ RESUMED = """\
 @distributed(processes=2, timeout=120, mlflow=False, max_restarts=3, restart_backoff=0.1)
 def resumed():
     import os, signal, time
-    from gangrun import progress, report_step
+    from gangrun import report_step
+    from gangrun.rank import progress
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         report_step(5)
         time.sleep(0.5)

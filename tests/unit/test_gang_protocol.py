@@ -7,8 +7,8 @@ import socket
 import pytest
 
 import gangrun
-from gangrun.interactive import protocol
-from gangrun.interactive.rank import rank_state
+from gangrun.rank import interactive_protocol as protocol
+from gangrun.rank.interactive import rank_state
 
 
 def _run_cell(source: str, ns: dict):

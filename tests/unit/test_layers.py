@@ -1,27 +1,34 @@
 """One-way dependencies inside ``src/gangrun`` (docs/architecture.md).
 
 Every import of a gangrun module (top level or inside a function, ``TYPE_CHECKING`` blocks
-included) is read with ``ast``. A module may import its own layer or lower ones, never a
-higher one; the rank side (code that runs inside a rank process) imports only the rank side
-and the platform helpers; and there is no import cycle between modules.
+included) is read with ``ast``, and so are the modules named by strings (the fork server's
+preload list, the ``python -c`` boot lines, the prewarm lists). A module may import its own
+layer or lower ones, never a higher one; the rank side (``gangrun.rank``: everything that runs
+inside a rank process) imports only the rank side and the platform helpers; and there is no
+import cycle between modules.
 
-Update the table when a module is added: a module not listed fails the test.
+Layers are package-based: a module's layer is its top-level package's (``gangrun.launch``
+covers every module under launch/), or its own for a module directly in ``gangrun/``. There
+is no per-module exception: a module whose role differs from its package's moves to the
+package of its role. Update the table when a top-level module or package is added: one not
+listed fails the test.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
-# layer: higher imports lower, never the reverse. Prefix match on the dotted name: the
-# longest listed prefix wins ("gangrun.launch" covers every module under launch/).
+# layer: higher imports lower, never the reverse.
 API, LIFECYCLE, LAUNCH, RANK, PLATFORM = 4, 3, 2, 1, 0
 LAYERS: dict[str, int] = {
     "gangrun": API,  # the package's __init__: re-exports the API
     "gangrun.__main__": API,
     "gangrun.api": API,
+    "gangrun.checks": API,  # mistakes caught before anything starts (every submit())
     "gangrun.defaults": API,
     "gangrun.plain": API,  # a plain call of a decorated function: a world of one
     "gangrun.cli": API,
@@ -31,22 +38,11 @@ LAYERS: dict[str, int] = {
     "gangrun.cli_status": API,  # gangrun run's status line
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API
-    "gangrun.notebook": API,  # the notebook panel, output routing, pre-launch checks
-    "gangrun.notebook.source": PLATFORM,  # travels with the payload; read inside ranks
-    "gangrun.notebook.html": PLATFORM,  # pure rendering (errors render themselves with it)
-    "gangrun.notebook.state": PLATFORM,  # the panel's snapshot records
-    "gangrun.notebook.charts": PLATFORM,  # the chart grid (pure rendering)
+    "gangrun.notebook": API,  # the notebook panel and its rendering, output routing, prewarm
     "gangrun.lifecycle": LIFECYCLE,
     "gangrun.launch": LAUNCH,
-    # the rank side: runs inside rank processes (the fork server's child becomes a rank)
-    "gangrun.worker": RANK,
-    "gangrun.hang": RANK,
-    "gangrun.progress": RANK,  # step reports (written by ranks, read by the caller)
-    "gangrun.stacks": RANK,  # stack dumps on SIGUSR1 (installed in every rank)
-    "gangrun.progress_view": PLATFORM,  # progress records and their formatting
-    "gangrun.tracking.rank": RANK,  # ends the MLflow runs a rank opened
-    "gangrun.interactive.rank": RANK,  # a gang's rank loop
-    "gangrun.interactive.protocol": PLATFORM,  # framing shared by both ends
+    # the rank side: runs inside rank processes (fresh, forked by the fork server, on Ray)
+    "gangrun.rank": RANK,
     # platform-level helpers, usable from every layer and inside ranks
     "gangrun.records": PLATFORM,
     "gangrun.rundir": PLATFORM,
@@ -56,34 +52,25 @@ LAYERS: dict[str, int] = {
     "gangrun.exitcodes": PLATFORM,
     "gangrun.diskspace": PLATFORM,  # a full disk said as such (rank side too)
     "gangrun.options": PLATFORM,  # the typed settings record every layer reads
+    "gangrun.progress_view": PLATFORM,  # progress records and their formatting
     "gangrun._log": PLATFORM,
     "gangrun._compat_imports": PLATFORM,
-    "gangrun.errors": PLATFORM,
+    "gangrun.errors": PLATFORM,  # a leaf: the notebook registers the HTML renderer
     "gangrun.serialization": PLATFORM,
     "gangrun.security": PLATFORM,
     "gangrun.output": PLATFORM,
     "gangrun.accelerators": PLATFORM,
     "gangrun.reservation": PLATFORM,
-    "gangrun.tracking": PLATFORM,
+    "gangrun.tracking": PLATFORM,  # MLflow, caller side (the rank's part: gangrun.rank)
     "gangrun.data": PLATFORM,  # user-facing inside ranks: helpers only
-    "gangrun.checkpoint": PLATFORM,
-    "gangrun.checkpoint.manager": RANK,  # gangrun.Checkpointer (inside ranks)
-    "gangrun.checkpoint.stop": RANK,  # a rank's preemption flag and SIGTERM handler
+    "gangrun.checkpoint": PLATFORM,  # DCP save/load (gangrun.Checkpointer: gangrun.rank)
 }
-# Modules that run inside a rank: may import only these layers.
+# Modules that run inside a rank (layer RANK): they, and everything they import, may be in
+# these layers only.
 RANK_SIDE_MAY_IMPORT = {RANK, PLATFORM}
-RANK_SIDE = (
-    "gangrun.worker",
-    "gangrun.hang",
-    "gangrun.progress",
-    "gangrun.stacks",
-    "gangrun.records",
-    "gangrun.rundir",
-    "gangrun.tracking.rank",
-    "gangrun.interactive.rank",
-    "gangrun.checkpoint.manager",
-    "gangrun.checkpoint.stop",
-)
+# Modules whose module-name strings name what a rank imports: the fork server's preloads
+# (every forked rank inherits them) and the fresh rank's boot line.
+RANK_STRINGS_IN = ("gangrun.launch.forkserver.server", "gangrun.launch.spawn")
 
 
 def _modules() -> dict[str, Path]:
@@ -119,25 +106,83 @@ def _imports(mod: str, path: Path) -> set[str]:
             for a in node.names:
                 sub = f"{target}.{a.name}"
                 found.add(sub if sub in MODULES else target)
-    while True:  # a name that is not a module (a package attribute): its package
-        bad = {m for m in found if m not in MODULES}
+    return _existing(found) - {mod}
+
+
+def _existing(names: set[str]) -> set[str]:
+    """Each name, or its package when it is not a module (a package attribute)."""
+    while True:
+        bad = {m for m in names if m not in MODULES}
         if not bad:
-            return found - {mod}
-        found = (found - bad) | {m.rsplit(".", 1)[0] for m in bad}
+            return names
+        names = (names - bad) | {m.rsplit(".", 1)[0] for m in bad}
+
+
+_CODE_IMPORT = re.compile(r"(?:^|[;\s])(?:from|import) (gangrun(?:\.\w+)*)")
+_MODULE_NAME = re.compile(r"gangrun(?:\.\w+)+")
+
+
+def _named(path: Path) -> set[str]:
+    """The gangrun modules ``path`` names by string: in ``python -c`` code (``"...; from
+    gangrun.x import y"``) and in sequences of module names (a preload or prewarm list).
+    Docstrings are prose, not imports."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                found.update(_CODE_IMPORT.findall(node.value))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts:
+            values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if len(values) == len(node.elts) and all(isinstance(v, str) for v in values):
+                found.update(v for v in values if _MODULE_NAME.fullmatch(v))
+    return found
 
 
 def layer(mod: str) -> int:
-    best = max((p for p in LAYERS if mod == p or mod.startswith(p + ".")), key=len, default=None)
-    assert best is not None, f"{mod} is in no layer: add it to LAYERS in {__file__}"
-    return LAYERS[best]
+    """The layer of ``mod``'s top-level package (or of ``mod``, directly in gangrun/)."""
+    key = ".".join(mod.split(".")[:2])
+    assert key in LAYERS, f"{key} is in no layer: add it to LAYERS in {__file__}"
+    return LAYERS[key]
 
 
-GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+NAMED = {m: _named(p) for m, p in MODULES.items()}
+GRAPH = {m: _imports(m, p) | (_existing(NAMED[m]) - {m}) for m, p in MODULES.items()}
 
 
 def test_every_module_has_a_layer():
     for mod in MODULES:
         layer(mod)
+
+
+def test_layers_are_package_based():
+    # No per-module exception: every entry is gangrun itself, a top-level package or a
+    # module directly in gangrun/, and it exists.
+    for key in LAYERS:
+        assert key == "gangrun" or key.count(".") == 1, f"{key}: a per-module layer"
+        assert key in MODULES, f"{key} in LAYERS does not exist"
+
+
+def test_modules_named_by_string_exist():
+    bad = [
+        f"{m} names {n}" for m, names in NAMED.items() for n in sorted(names) if n not in MODULES
+    ]
+    assert not bad, "modules named by string that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_fork_server_preloads_and_the_boot_line_are_rank_side():
+    named = {n: m for m in RANK_STRINGS_IN for n in NAMED[m]}
+    assert "gangrun.rank.boot" in named and "gangrun.rank.forkchild" in named, named
+    bad = [f"{m} names {n}" for n, m in named.items() if layer(n) not in RANK_SIDE_MAY_IMPORT]
+    assert not bad, "a rank would import caller-side code:\n" + "\n".join(bad)
 
 
 def test_no_upward_import():
@@ -151,13 +196,19 @@ def test_no_upward_import():
 
 
 def test_rank_side_imports_nothing_caller_side():
-    bad = [
-        f"{m} imports {d}"
-        for m in MODULES
-        if m in RANK_SIDE
-        for d in sorted(GRAPH[m])
-        if layer(d) not in RANK_SIDE_MAY_IMPORT
-    ]
+    # Everything a rank module reaches, however indirectly (what it imports, what that
+    # imports...), is rank side or platform.
+    rank_side = [m for m in MODULES if layer(m) == RANK]
+    assert {"gangrun.rank.worker", "gangrun.rank.boot", "gangrun.rank.forkchild"} <= set(rank_side)
+    seen: dict[str, str] = {m: m for m in rank_side}  # module -> the rank module reaching it
+    todo = list(rank_side)
+    while todo:
+        m = todo.pop()
+        for d in GRAPH[m]:
+            if d not in seen:
+                seen[d] = seen[m]
+                todo.append(d)
+    bad = [f"{seen[d]} reaches {d}" for d in sorted(seen) if layer(d) not in RANK_SIDE_MAY_IMPORT]
     assert not bad, "the rank side imports caller-side code:\n" + "\n".join(bad)
 
 
@@ -192,3 +243,14 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     path.write_text("def f():\n    from ..api import distributed\n    import gangrun.cli\n")
     assert _imports("gangrun.lifecycle.x", path) == {"gangrun.api", "gangrun.cli"}
     assert layer("gangrun.lifecycle.x") < layer("gangrun.api")
+
+
+def test_the_checker_reads_module_names_in_strings(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text(
+        '"""Docstring: >>> from gangrun import api"""\n'
+        'BOOT = "import sys; from gangrun.rank.boot import boot; boot()"\n'
+        'PRELOAD = ("gangrun.rank.worker", "json", "gangrun.nope")\n'
+        'log = "gangrun.logger.name"\n'
+    )
+    assert _named(path) == {"gangrun.rank.boot", "gangrun.rank.worker", "gangrun.nope"}

@@ -253,7 +253,7 @@ def test_cancel_travels_as_an_event():
 
 
 def test_hang_detected_and_retried(monkeypatch):
-    from gangrun import hang
+    from gangrun.lifecycle import hang
 
     monkeypatch.setattr(hang.HangGuard, "dump_stacks", lambda self, pids, live, wait=2.0: None)
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import linecache
 import pickle
+import subprocess
+import sys
 import traceback
 import types
 
 import cloudpickle
 import pytest
 
+from gangrun import checks
 from gangrun.errors import DistributedError, LaunchError
-from gangrun.notebook import checks, html, routing, source
+from gangrun.notebook import html, routing
 from gangrun.notebook.state import CallState
+from gangrun.rank import source
 
 
 # -- checks ------------------------------------------------------------------------------
@@ -217,6 +221,22 @@ def test_error_html_root_cause_first_others_folded():
     assert out.index("Rank 1 failed") < out.index("<details>")
     assert "&lt;bad&gt;" in out and "rank 0: RuntimeError: x" in out and "tb0" in out
     assert "<details>" not in DistributedError("plain")._repr_html_()
+
+
+def test_errors_is_a_leaf_the_notebook_registers_the_html():
+    # errors.py imports nothing above it: until the notebook side is loaded (every decoration
+    # loads it) an error has no HTML form; then it renders with notebook.html.
+    code = (
+        "import sys, gangrun\n"
+        "from gangrun.errors import DistributedError\n"
+        "assert 'gangrun.notebook' not in sys.modules\n"
+        "assert DistributedError('x')._repr_html_() is None\n"
+        "gangrun.distributed(processes=1)(print)\n"
+        "out = DistributedError('x <y>')._repr_html_()\n"
+        "assert 'gangrun-error' in out and 'x &lt;y&gt;' in out, out\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_handle_html():

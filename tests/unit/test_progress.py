@@ -1,4 +1,4 @@
-"""Step reports (gangrun.progress): written by the bound rank only, read back by the caller."""
+"""Step reports (gangrun.rank.progress): written by the bound rank only, read back by the caller."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gangrun import progress
+from gangrun.rank import progress
 from gangrun.rundir import RunDir
 
 

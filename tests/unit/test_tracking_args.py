@@ -122,7 +122,7 @@ def test_cli_flags_map_to_options():
 
 def test_rank_side_imports_nothing_of_the_caller_side():
     code = (
-        "import sys, gangrun.tracking.rank as r; r.RankRuns().end(True); "
+        "import sys, gangrun.rank.tracking as r; r.RankRuns().end(True); "
         "bad = [m for m in ('mlflow', 'gangrun.tracking.caller', 'gangrun.tracking.plan') "
         "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )

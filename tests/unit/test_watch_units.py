@@ -9,15 +9,15 @@ import os
 
 import pytest
 
-from gangrun import progress
 from gangrun.cli_node import CallRef, Unknown, find_calls, resolve
 from gangrun.cli_status import ClearingStream, StatusLine
 from gangrun.lifecycle import watch
 from gangrun.lifecycle.control import RECORD
 from gangrun.notebook import charts, html
 from gangrun.notebook.state import CallState
-from gangrun.progress import StepReport
 from gangrun.progress_view import Progress, RankProgress, summary_line
+from gangrun.rank import progress
+from gangrun.rank.progress import StepReport
 from gangrun.tracking.plan import run_link
 
 

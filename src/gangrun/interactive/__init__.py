@@ -1,7 +1,9 @@
 """Interactive gangs: ranks that stay alive across notebook cells (``gangrun.Gang``).
 
-``protocol`` (framing, cell compilation) and ``rank`` (the rank side, ``rank_state()``) import
-nothing heavy; ``session`` is the caller's `Gang`; ``magic`` the ``%%distributed`` cell
-magic. The gang is one ordinary long-lived call of `rank.gang` whose ranks connect back
+The rank side lives in `gangrun.rank`: ``interactive_protocol`` (framing, cell compilation)
+and ``interactive`` (the rank loop, ``rank_state()``) import nothing heavy. Here:
+``session`` is the caller's `Gang`, ``exchange`` one execution, ``channel`` where the ranks
+connect back, ``magic`` the ``%%distributed`` cell magic. The gang is one ordinary long-lived
+call of `gangrun.rank.interactive.gang` whose ranks connect back
 to the caller, so launch, output, liveness, teardown and MLflow come from the call machinery.
 """

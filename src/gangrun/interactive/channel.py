@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 from ..errors import DistributedError, DistributedTimeoutError
-from . import protocol
+from ..rank import interactive_protocol as protocol
+from ..rank.interactive import HELLO
 from .outcome import wrapped
-from .rank import HELLO
 
 log = logging.getLogger("gangrun.interactive")
 POLL_S = 0.25

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..api import RunHandle
 from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
-from . import protocol
+from ..rank import interactive_protocol as protocol
 from .outcome import PerRank, failure
 
 log = logging.getLogger("gangrun.interactive")

@@ -1,6 +1,6 @@
 """The caller's side of an interactive gang: `Gang`.
 
-A gang is one ordinary call of `gangrun.interactive.rank.gang` with ``timeout=None``,
+A gang is one ordinary call of `gangrun.rank.interactive.gang` with ``timeout=None``,
 started through the public ``distributed(...).submit(...)``: launch (on this node, or on a Ray
 cluster with ``backend="ray"``: placed as ``.distributed()`` places ranks), output streaming
 into the caller's ``sys.stdout`` (the running cell, in a notebook), the liveness pipe (the
@@ -32,11 +32,11 @@ from ..api import RunHandle, distributed
 from ..errors import DistributedError, LaunchError
 from ..lifecycle import calls
 from ..options import DEFAULT_TIMEOUT, Options
-from . import protocol
+from ..rank import interactive_protocol as protocol
+from ..rank.interactive import gang
 from .channel import Listener, release
 from .exchange import Exchanges
 from .outcome import PerRank, wrapped
-from .rank import gang
 
 log = logging.getLogger("gangrun.interactive")
 

@@ -4,7 +4,7 @@ own session and process group, started by the caller itself.
 Exits are observed by one blocking ``waitpid`` per rank (the gang's waiter thread), so a
 failure reaches the caller within milliseconds, with no polling interval. If the caller dies,
 the ranks notice at once: each holds the read end of a pipe whose only write end lives in the
-caller; EOF makes the rank kill its whole tree (see ``worker.py``).
+caller; EOF makes the rank kill its whole tree (see ``rank/worker.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..platform import signal_tree
 from . import GangSpec, RankIO, RankProcess, RankSpec
 
 GANGRUN_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BOOT = "import sys; sys.path.insert(0, {path!r}); from gangrun.launch.rankside import boot; boot()"
+BOOT = "import sys; sys.path.insert(0, {path!r}); from gangrun.rank.boot import boot; boot()"
 
 
 def boot_command() -> list[str]:

@@ -2,7 +2,7 @@
 
 The supervisor hands each ended `Attempt` to
 `Restarts.after` *before* the run directory's per-attempt files are cleared: it reads
-the ranks' step reports (`gangrun.progress`), turns the root cause into
+the ranks' step reports (`gangrun.rank.progress`), turns the root cause into
 `AttemptFacts`, asks the `RestartPolicy` and writes
 the verdict onto the attempt (which observers see: the notice, the MLflow run's
 ``gangrun_attempts.json``, the panel). `Restarts.back_off` waits before a restart on the
@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .. import progress
 from .._log import get_logger
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..options import Options
+from ..rank import progress
 from .policy import AttemptFacts, Decision, RestartPolicy, Verdict
 from .state import Attempt, CancelRequested, State
 

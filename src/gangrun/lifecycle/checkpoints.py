@@ -33,7 +33,7 @@ Supervisor = Any  # lifecycle.supervisor.Supervisor (which imports this module)
 log = logging.getLogger("gangrun.lifecycle.checkpoints")
 
 TAG_DIR = "gangrun.checkpoint_dir"
-TAG_LATEST = "gangrun.checkpoint_latest"  # written by rank 0 after each commit (manager.py)
+TAG_LATEST = "gangrun.checkpoint_latest"  # written by rank 0 after each commit (rank/checkpointer)
 _MARGIN_S = 2.0  # beyond grace_period: a rank's exit and the caller's reading of it
 
 

@@ -49,10 +49,10 @@ from .watch import Watch, watching
 
 if TYPE_CHECKING:
     from ..accelerators import Accelerator
-    from ..hang import HangGuard
     from ..output import OutputPump
     from ..reservation import Reservation
     from ..tracking.caller import Tracker
+    from .hang import HangGuard
 
 log = logging.getLogger("gangrun.lifecycle.supervisor")
 
@@ -232,7 +232,7 @@ class Supervisor:
         self.run_dir, self.log_dir = self.rundir.path, self.rundir.logs
         self.call.log_files = self.log_files()
         self.rundir.write_context(self.context)
-        from ..notebook.source import with_sources  # notebook code: its source travels along
+        from ..rank.source import with_sources  # notebook code: its source travels along
 
         serialization.write_payload(
             self.rundir.payload,
@@ -341,7 +341,7 @@ class Supervisor:
         ending: Event | None = None
         guard = None
         if self.opts.hang_timeout is not None:
-            from ..hang import HangGuard
+            from .hang import HangGuard
 
             guard = HangGuard(self.rundir.path, self.rundir.logs, n, self.opts.hang_timeout)
         try:

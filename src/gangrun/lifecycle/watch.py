@@ -4,7 +4,7 @@ Everything here is read from the run directory on request (the panel's redraw, t
 status line, ``handle.progress()``): no thread of its own, nothing on the training path.
 
 - **Progress** comes from the ranks' step reports (`gangrun.report_step`, read with
-  `gangrun.progress.read_all`). When no rank reports, there is no progress: nothing is
+  `gangrun.rank.progress.read_all`). When no rank reports, there is no progress: nothing is
   guessed. The gang's step is its slowest rank's; the ETA is that rank's remaining steps at
   its recent rate.
 - **A slow rank** is one whose recent rate (over `RATE_WINDOW_S`) stays under
@@ -29,8 +29,8 @@ from collections import deque
 from typing import Any
 
 from .. import contract
-from ..progress import StepReport, read_all
 from ..progress_view import Progress, RankProgress, summary_line
+from ..rank.progress import StepReport, read_all
 from .observers import CallInfo, Observer
 from .state import Outcome, State
 
@@ -209,7 +209,7 @@ class Watch:
             live = self._live_ranks()
             last_progress = None
             if live:
-                from ..hang import last_progress as lp
+                from .hang import last_progress as lp
 
                 since = self._attempt_started
                 last_progress = {r: lp(run.run_dir, run.log_dir, r, since) for r in live}
@@ -225,7 +225,7 @@ class Watch:
 
     def stacks(self, wait: float = 5.0) -> dict[int, str]:
         """Every live rank's Python stacks (all threads) now; the call keeps running."""
-        from .. import stacks
+        from ..rank import stacks
 
         run = self.run
         if run.placement is not None:

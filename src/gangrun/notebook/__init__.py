@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .. import errors
+
 
 def kernel() -> Any:
     """The running ipykernel kernel object, or ``None`` outside a Jupyter kernel."""
@@ -28,4 +30,13 @@ def in_kernel() -> bool:
     return kernel() is not None
 
 
-__all__ = ["kernel", "in_kernel"]
+def error_html(err: errors.DistributedError) -> str:
+    """An error's HTML form (its ``_repr_html_``): `html.error_html`, imported on first use."""
+    from .html import error_html as render
+
+    return render(err)
+
+
+errors.register_html(error_html)  # errors.py imports nothing above it: it is told here
+
+__all__ = ["kernel", "in_kernel", "error_html"]

@@ -1,5 +1,5 @@
 """The step a running attempt resumed from, for the panel ("attempt 2/4, resumed from step
-1200"): read from the ranks' step reports (`gangrun.progress`; the checkpoint manager
+1200"): read from the ranks' step reports (`gangrun.rank.progress`; the checkpoint manager
 reports a completed restore with ``progress.report_resumed``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Any
 
-from .. import progress
+from ..rank import progress
 from .state import CallState
 
 log = logging.getLogger("gangrun.notebook")

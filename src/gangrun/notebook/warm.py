@@ -39,8 +39,8 @@ CALL_MODULES = (
     "gangrun.launch.forkserver.spawner",
     "gangrun.output",
     "gangrun.serialization",
-    "gangrun.notebook.checks",
-    "gangrun.notebook.source",
+    "gangrun.checks",
+    "gangrun.rank.source",
 )
 KERNEL_MODULES = (
     "gangrun.notebook.routing",

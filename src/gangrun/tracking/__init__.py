@@ -1,10 +1,8 @@
 """MLflow tracking of a call.
 
-Two sides that never import each other: `caller` and `plan` run in the caller
-(create/resume and end the call's run); `rank` runs in rank processes (ends the runs a
-rank's own code opened before the rank exits). This package module imports neither, so a rank
-importing `gangrun.tracking.rank` loads nothing of the caller side; the caller-side names
-below are loaded on first use.
+The caller side: `caller` and `plan` create/resume and end the call's run. The rank side
+(ending the runs a rank's own code opened before the rank exits) is `gangrun.rank.tracking`,
+which imports nothing of this package. The names below are loaded on first use.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The run is created (or resumed) with ``MlflowClient`` (never the fluent ``start_
 caller's own fluent run stack is left exactly as it was; when the caller has an active run the
 new run is its child (``mlflow.parentRunId``). Ranks get ``MLFLOW_RUN_ID``/
 ``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_ID``: MLflow's fluent API in a rank then *resumes*
-this run, and the rank's exit hook (`gangrun.tracking.rank`) never ends it there.
+this run, and the rank's exit hook (`gangrun.rank.tracking`) never ends it there.
 """
 
 from __future__ import annotations

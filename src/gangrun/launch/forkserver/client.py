@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from ... import contract, platform
 from ...options import ForkServerOptions
+from ...rank.forkchild import pad_value
 from . import protocol as p
-from .child import pad_value
 
 log = logging.getLogger("gangrun.launch.forkserver")
 

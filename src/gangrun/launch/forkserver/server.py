@@ -29,16 +29,16 @@ from . import protocol as p
 
 POOL_MAX = 16  # idle pre-forked children kept at most
 _PRELOAD_ALWAYS = (  # everything a rank imports on its way: paid once here, not per rank
-    "gangrun.worker",
-    "gangrun.tracking.rank",
-    "gangrun.progress",
-    "gangrun.notebook.source",
+    "gangrun.rank.worker",
+    "gangrun.rank.tracking",
+    "gangrun.rank.progress",
+    "gangrun.rank.source",
     "gangrun.security",
-    "gangrun.launch.rankside",
+    "gangrun.rank.boot",
     "inspect",
     "linecache",
     "gangrun.serialization",
-    "gangrun.launch.forkserver.child",
+    "gangrun.rank.forkchild",
     "cloudpickle",
     "psutil",
     "faulthandler",
@@ -274,7 +274,7 @@ class Server:
             if got is not None:
                 r, fds = got
             assert r is not None and fds is not None
-            from .child import become_rank
+            from ...rank.forkchild import become_rank
 
             become_rank(r, fds, self.alive_r)  # ends with os._exit
         except BaseException:

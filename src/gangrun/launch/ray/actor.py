@@ -1,6 +1,6 @@
 """The Ray actor that runs one rank on its node (methods run in threads, max_concurrency>1).
 
-The rank is a fresh interpreter (``gangrun.launch.rankside``) in its own process group,
+The rank is a fresh interpreter (``gangrun.rank.boot``) in its own process group,
 holding a liveness pipe whose write end lives in the actor: when the actor dies (``ray.kill``,
 the caller's driver exits, the node is lost) the rank kills its own tree.
 

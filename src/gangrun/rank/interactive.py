@@ -17,7 +17,7 @@ import threading
 import traceback
 from typing import Any
 
-from . import protocol
+from . import interactive_protocol as protocol
 
 HELLO = struct.Struct("!32sii")  # token, rank, pid: checked before anything is unpickled
 
@@ -75,7 +75,7 @@ def _trimmed_tb(exc: BaseException) -> str:
 def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:
     import dataclasses
 
-    from ..worker import _error_record as record
+    from .worker import _error_record as record
 
     return dataclasses.asdict(record(rank, exc, _trimmed_tb(exc)))
 

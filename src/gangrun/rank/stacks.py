@@ -1,6 +1,6 @@
 """Every rank's Python stacks on request, while the call keeps running.
 
-Rank side: `install` (called by `gangrun.worker` at every rank's start, whatever
+Rank side: `install` (called by `gangrun.rank.worker` at every rank's start, whatever
 the options) registers ``faulthandler`` for ``SIGUSR1``, writing all threads' stacks to
 ``stacks.<rank>`` in the run directory; the file appears under its final name only once the
 handler is in place, so a caller never signals a rank that would die of ``SIGUSR1``. The cost
@@ -20,7 +20,7 @@ import signal
 import time
 from typing import IO
 
-from .rundir import RunDir
+from ..rundir import RunDir
 
 _file: IO[str] | None = None  # kept open for faulthandler
 

@@ -17,7 +17,7 @@ def _end_descendants() -> None:
 
 def prepare_rank() -> None:
     """Called first thing in a rank (fresh interpreter, forked child, Ray rank)."""
-    from .. import worker
+    from . import worker
 
     platform.become_subreaper()
     worker.before_exit.insert(0, _end_descendants)
@@ -25,7 +25,7 @@ def prepare_rank() -> None:
 
 def boot() -> None:
     """Entry point of a fresh-interpreter rank."""
-    from .. import worker
+    from . import worker
 
     prepare_rank()
     worker.main()

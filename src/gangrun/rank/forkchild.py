@@ -4,7 +4,7 @@ Its own session and process group, default signal dispositions, only the fds it 
 (done by the server right after the fork), then here: the rank's environment (also in
 ``/proc/PID/environ``, so tools and the run sweep see it), std streams like a fresh
 interpreter's (Python's and C's), fresh random seeds, ``OMP_NUM_THREADS`` applied to torch,
-the server's death taken as the caller's; then `gangrun.worker.main` loads the payload
+the server's death taken as the caller's; then `gangrun.rank.worker.main` loads the payload
 (after the fork, so edited code is what runs).
 
 ``/proc/PID/environ`` room: the server was started with a `PAD_LEN`-byte padding
@@ -19,12 +19,21 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Protocol
 
-from ... import contract, platform
-from . import protocol as p
+from .. import contract, platform
 
 PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's environment
+
+
+class RankStart(Protocol):
+    """What the fork server hands a child for its rank (its `ForkRank` message)."""
+
+    @property
+    def env(self) -> dict[str, str]: ...
+
+    @property
+    def cwd(self) -> str: ...
 
 
 def pad_value() -> str:
@@ -32,7 +41,7 @@ def pad_value() -> str:
     return "x" * (PAD_LEN - len(contract.ENVIRON_PAD) - 2)
 
 
-def become_rank(r: p.ForkRank, fds: list[int], server_alive_r: int) -> None:
+def become_rank(r: RankStart, fds: list[int], server_alive_r: int) -> None:
     out_w, err_w, live_r = fds
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
@@ -55,12 +64,12 @@ def become_rank(r: p.ForkRank, fds: list[int], server_alive_r: int) -> None:
     import importlib
 
     importlib.invalidate_caches()
-    from .. import rankside
+    from . import boot
 
-    rankside.prepare_rank()
+    boot.prepare_rank()
     # The server's death must take this rank down too (like the caller's).
     os.set_inheritable(server_alive_r, False)
-    from ... import worker
+    from . import worker
 
     threading.Thread(
         target=worker._watch_liveness,

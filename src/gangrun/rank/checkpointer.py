@@ -29,10 +29,11 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .. import contract, progress
+from .. import contract
+from ..checkpoint import is_complete, latest, list_checkpoints, remove
+from ..checkpoint import state as _state
 from ..rundir import RunDir
-from . import is_complete, latest, list_checkpoints, remove
-from . import state as _state
+from . import progress
 from . import stop as _stop
 
 PREFIX = "step-"
@@ -163,7 +164,7 @@ class Checkpointer:
             )
             if path is None:
                 raise RuntimeError(f"DeepSpeed found no checkpoint for {key!r} in {found}")
-        from . import load
+        from ..checkpoint import load
 
         tpl = _state.load_template(e, self._rank)
         group = self._groups[1] if self._groups else None
@@ -231,7 +232,7 @@ class Checkpointer:
             )
         pending = [m for m in self._metrics if m[0] < step]
         sd = _state.save_dict(e, self._rank, {"step": step, "metrics": pending})
-        from . import _build
+        from ..checkpoint import _build
 
         writer = _build()["VolumeWriter"](url, **self.storage_options)
         import torch.distributed.checkpoint as dcp
@@ -378,7 +379,7 @@ class Checkpointer:
 
 
 def should_stop() -> bool:
-    """See `gangrun.checkpoint.stop.should_stop`."""
+    """See `gangrun.rank.stop.should_stop`."""
     return _stop.should_stop()
 
 

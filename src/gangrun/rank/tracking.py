@@ -1,6 +1,6 @@
 """Rank side of tracking: end the MLflow runs a rank's own code opened, before it exits.
 
-A rank leaves with ``os._exit`` (see `gangrun.worker`), which skips MLflow's exit hook:
+A rank leaves with ``os._exit`` (see `gangrun.rank.worker`), which skips MLflow's exit hook:
 good for the call's own run (that hook would end it from a rank, while other ranks still log),
 bad for every run the rank's code opened itself (``mlflow.log_metric`` without a run
 auto-creates one; ``mlflow.start_run()`` left open): they would stay RUNNING forever. So,

@@ -23,9 +23,9 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import contract, platform
-from .records import ErrorRecord, RankContext, user_frame
-from .rundir import RunDir
+from .. import contract, platform
+from ..records import ErrorRecord, RankContext, user_frame
+from ..rundir import RunDir
 
 # Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
 before_exit: list[Callable[[], None]] = []
@@ -123,7 +123,7 @@ def _message(exc: BaseException) -> str:
 def _error_record(
     rank: int, exc: BaseException, tb_text: str, *, exitcode: int | None = None
 ) -> ErrorRecord:
-    from . import serialization
+    from .. import serialization
 
     exc_bytes: bytes | None
     try:
@@ -149,7 +149,7 @@ def _error_record(
 def _write_error(run_dir: str, rank: int, record: ErrorRecord) -> None:
     from dataclasses import replace
 
-    from . import diskspace, serialization
+    from .. import diskspace, serialization
 
     path = error_path(run_dir, rank)
     try:
@@ -210,11 +210,11 @@ def setup_context(run_dir: str) -> None:
 
 def run_rank(run_dir: str, rank: int) -> int:
     """Load the payload, run it, hand the outcome back. Returns the exit code."""
-    from . import serialization
+    from .. import serialization
 
     try:
         setup_context(run_dir)
-        from .security import load_private
+        from ..security import load_private
 
         fn, args, kwargs = load_private(RunDir(run_dir).payload)
         result = fn(*args, **kwargs)
@@ -243,7 +243,7 @@ def run_rank(run_dir: str, rank: int) -> int:
     try:
         serialization.atomic_dump(result, result_path(run_dir, rank))
     except BaseException as exc:
-        from . import diskspace
+        from .. import diskspace
 
         if diskspace.is_full(exc):  # the run directory's disk, not the value
             return _result_not_written(run_dir, rank, exc)
@@ -268,7 +268,7 @@ def _result_not_written(run_dir: str, rank: int, exc: BaseException) -> int:
     so, names the directory, and keeps the ``OSError`` as its cause."""
     from dataclasses import replace
 
-    from . import diskspace
+    from .. import diskspace
 
     msg = f"rank {rank} " + diskspace.full_message("its result", run_dir, exc)
     try:
@@ -283,7 +283,7 @@ def _result_not_written(run_dir: str, rank: int, exc: BaseException) -> int:
 def main() -> None:
     faulthandler.enable(all_threads=True)
     start_liveness_watchdog()
-    from .tracking.rank import RankRuns
+    from .tracking import RankRuns
 
     rank_runs = RankRuns()  # notes the call's MLFLOW_RUN_ID before user code can consume it
     run_dir = os.environ[contract.RUN_DIR]
@@ -295,7 +295,7 @@ def main() -> None:
 
     install_stacks(run_dir, rank)  # handle.stacks(), `gangrun stacks`, the hang guard
     if os.environ.get(contract.HANG_TIMEOUT):
-        from .hang import install
+        from .heartbeat import install
 
         install(run_dir, rank)
     code = run_rank(run_dir, rank)

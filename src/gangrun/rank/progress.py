@@ -13,7 +13,7 @@ Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directo
 (`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
 fsync): a report is a clock read and, at most every `MIN_INTERVAL_S` (and always for the
 first report and a changed total), one 96-byte write; the report the throttle held back last
-is written when the rank ends (`flush`, called by `gangrun.worker`). The caller reads it with
+is written when the rank ends (`flush`, called by `gangrun.rank.worker`). The caller reads it with
 `read` (a torn or garbled read is ``None``, never an exception). Outside a rank (nothing
 bound), in a forked child of a rank (a DataLoader worker), or once the run
 directory is gone, a report is a no-op.
@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .rundir import RunDir
+from ..rundir import RunDir
 
 MIN_INTERVAL_S = 0.1
 _SIZE = 96
@@ -64,7 +64,7 @@ class StepReport:
 
 
 def bind(run_dir: str, rank: int) -> None:
-    """In a rank (called by `gangrun.worker` at start): reports go to this run
+    """In a rank (called by `gangrun.rank.worker` at start): reports go to this run
     directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
     global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step, _written
     _bound = (run_dir, int(rank), os.getpid())

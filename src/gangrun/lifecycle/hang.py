@@ -6,7 +6,7 @@ counts as making progress when it
 
 - writes output (any stdout/stderr bytes: the caller's output pump appends them to the rank's
   log file, whose modification time is the beat), or
-- calls [`gangrun.heartbeat`][gangrun.hang.heartbeat] (touches ``heartbeat.<rank>`` in the private run directory;
+- calls [`gangrun.heartbeat`][gangrun.rank.heartbeat.heartbeat] (touches ``heartbeat.<rank>`` in the private run directory;
   call it once per training step when a step prints nothing).
 
 When a live rank has made no progress for ``hang_timeout`` seconds, the caller sends ``SIGUSR1``
@@ -22,51 +22,11 @@ import os
 import time
 from typing import Any
 
-from . import contract, stacks
-from .rundir import RunDir, log_path
-
-ENV = contract.HANG_TIMEOUT
-_MIN_BEAT_INTERVAL_S = 0.25
-_last_beat = 0.0
-_beat_path: str | None = None
+from ..rank import stacks
+from ..rank.heartbeat import heartbeat_path
+from ..rundir import RunDir, log_path
 
 
-def heartbeat_path(run_dir: str, rank: int) -> str:
-    return RunDir(run_dir).heartbeat(rank)
-
-
-# ---------------------------------------------------------------------------- rank side
-def heartbeat() -> None:
-    """Tell the stuck-rank guard this rank is making progress (cheap; a no-op outside a rank
-    or when ``hang_timeout`` is off). Call it in the training loop, e.g. once per step."""
-    global _last_beat
-    path = _beat_path
-    if path is None:
-        return
-    now = time.monotonic()
-    if now - _last_beat < _MIN_BEAT_INTERVAL_S:
-        return
-    _last_beat = now
-    try:
-        os.utime(path)
-    except FileNotFoundError:
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        except OSError:  # run directory gone (the call is ending): nothing to tell
-            pass
-    except OSError:  # same: a missed beat is harmless
-        pass
-
-
-def install(run_dir: str, rank: int) -> None:
-    """In a rank, when the guard is on: the heartbeat file (the stack dump on SIGUSR1 is
-    installed in every rank: `gangrun.stacks.install`)."""
-    global _beat_path
-    _beat_path = heartbeat_path(run_dir, rank)
-    heartbeat()
-
-
-# ---------------------------------------------------------------------------- caller side
 def last_progress(run_dir: str, log_dir: str, rank: int, since: float) -> float:
     """When rank ``rank`` last made progress (output, heartbeat, step report), at the
     earliest ``since`` (wall clock)."""
@@ -128,7 +88,7 @@ class HangGuard:
             self.stacks.setdefault(r, "")
 
     def error(self, fn_name: str, run_id: str, log_dir: str) -> Any:
-        from .errors import DistributedHangError
+        from ..errors import DistributedHangError
 
         parts = []
         for r in sorted(self.stacks):
@@ -156,4 +116,4 @@ class HangGuard:
         )
 
 
-__all__ = ["heartbeat", "install", "last_progress", "HangGuard"]
+__all__ = ["last_progress", "HangGuard"]
