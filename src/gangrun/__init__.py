@@ -16,6 +16,7 @@ from .errors import (
     DistributedHangError,
     DistributedPreemptedError,
     DistributedTimeoutError,
+    GangError,
     LaunchError,
 )
 
@@ -89,6 +90,7 @@ __all__ = [
     "DistributedCancelledError",
     "DistributedHangError",
     "DistributedPreemptedError",
+    "GangError",
     "Checkpointer",
     "should_stop",
     "heartbeat",
