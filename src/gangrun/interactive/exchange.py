@@ -233,7 +233,11 @@ class Exchanges:
             self._extra[r] = max(self._extra.get(r, 0), size - reply.out_bytes)
 
     def _outcome(
-        self, replies: dict[int, protocol.Reply], what: str, stopped: str | None, limit: float | None
+        self,
+        replies: dict[int, protocol.Reply],
+        what: str,
+        stopped: str | None,
+        limit: float | None,
     ) -> PerRank:
         __tracebackhide__ = True
         values = PerRank([None] * len(self._socks))

@@ -75,9 +75,7 @@ def rank_failure(
     sig = signal_name(code)
     if exit.lost is not None:
         lost = exit.lost
-        return RankFailure(
-            rank, code, sig, lost.exc_type, lost.why, lost.detail or None, exit.time
-        )
+        return RankFailure(rank, code, sig, lost.exc_type, lost.why, lost.detail or None, exit.time)
     if code == 0 and has_result:
         return None
     what = f"killed by {sig}" if sig else _early(code) if code == 0 else f"exited with code {code}"

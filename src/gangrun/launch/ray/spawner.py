@@ -30,6 +30,24 @@ log = logging.getLogger("gangrun.launch.ray")
 POLL_S = 2.0  # an idle rank's poll returns this often; output and exits return at once
 
 
+def lost_actor(rank: int, nodes: dict[int, NodeInfo], exc: BaseException | None) -> LostRank:
+    """The actor running ``rank`` is gone (its node died, it was killed): what the caller's
+    error says of it, naming the node and every rank that ran there
+    (`lifecycle.rootcause.rank_failure` makes it the rank's failure; the restart rules treat
+    ``ray.*`` as transient)."""
+    info = nodes.get(rank)
+    node = info.node_id if info is not None else "?"
+    on_node = sorted(r for r, i in nodes.items() if i.node_id == node)
+    what = type(exc).__name__ if exc is not None else "ActorDiedError"
+    msg = (
+        f"the Ray actor running rank {rank} on node {info.ip if info else '?'} "
+        f"({str(node)[:12]}) was lost: ranks {on_node} ran on that node. "
+        "The node may have died or been removed, or the actor was killed."
+    )
+    log.info("%s", msg)
+    return LostRank(msg, exc_type=f"ray.{what}", detail=f"{msg}\n\nRay said: {exc}", launcher=False)
+
+
 class RayProcess:
     """One rank on a Ray actor; `wait` forwards its output until it ends."""
 
@@ -90,7 +108,7 @@ class RayProcess:
         if code is None:
             if self.spawner.stopping:
                 return -signal.SIGKILL
-            self.lost = self._lost(lost)
+            self.lost = lost_actor(self.rank, self.spawner.nodes, lost)
             return 1
         return code
 
@@ -103,25 +121,6 @@ class RayProcess:
         info = self.spawner.nodes.get(self.rank)
         note = f"gangrun: rank {self.rank} (exit {code}) ran on {diagnose.node_label(info)}\n"
         _write_all(self.err_w, note.encode())
-
-    def _lost(self, exc: BaseException | None) -> LostRank:
-        """The actor running this rank is gone (its node died, it was killed): what the
-        caller's error says of it (``lifecycle.rootcause.rank_failure`` makes it the rank's
-        failure; the restart rules treat ``ray.*`` as transient)."""
-        nodes = self.spawner.nodes
-        info = nodes.get(self.rank)
-        node = info.node_id if info is not None else "?"
-        on_node = sorted(r for r, i in nodes.items() if i.node_id == node)
-        what = type(exc).__name__ if exc is not None else "ActorDiedError"
-        msg = (
-            f"the Ray actor running rank {self.rank} on node {info.ip if info else '?'} "
-            f"({str(node)[:12]}) was lost: ranks {on_node} ran on that node. "
-            "The node may have died or been removed, or the actor was killed."
-        )
-        log.info("%s", msg)
-        return LostRank(
-            msg, exc_type=f"ray.{what}", detail=f"{msg}\n\nRay said: {exc}", launcher=False
-        )
 
 
 class RaySpawner:
@@ -228,8 +227,7 @@ class RaySpawner:
         )
         self.started = dict(enumerate(started))
         return [
-            RayProcess(self, r.rank, st.pid, io)
-            for (r, io), st in zip(ranks, started, strict=True)
+            RayProcess(self, r.rank, st.pid, io) for (r, io), st in zip(ranks, started, strict=True)
         ]
 
     def explain(self, rank: int, path: str) -> None:
