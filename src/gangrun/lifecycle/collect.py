@@ -17,6 +17,11 @@ from .rootcause import Candidate, build_error, is_peer_echo, pick, rank_failure
 log = logging.getLogger("gangrun.lifecycle.collect")
 
 
+def _blamed(ev: RankExit) -> bool:
+    """Lost where the rank ran (a Ray actor or its node), not by gangrun's own machinery."""
+    return ev.lost is not None and not ev.lost.launcher
+
+
 class RankFiles:
     """One attempt's view of the run directory (error records are read once, then cached)."""
 
@@ -68,8 +73,8 @@ class RankFiles:
             if rank == first.rank or c.time <= teardown_at:
                 candidates.append(c)  # ended (without returning) before the teardown
                 failures[rank] = f
-            elif (rec is not None or ev.lost is not None) and not f.is_clean_exit:
-                failures[rank] = f  # raised (or was lost) during the teardown: kept, not blamed
+            elif (rec is not None or _blamed(ev)) and not f.is_clean_exit:
+                failures[rank] = f  # raised (or its node went) in the teardown: kept, not blamed
             elif ev.exitcode != 0 and c.time <= teardown_at + late_window:
                 late.append(c)
         lost = sorted(
