@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from .. import diskspace, security
@@ -141,11 +142,13 @@ class RankFiles:
                 if rec is not None and rec.is_clean_exit:
                     out.append(None)
                     continue
+                f = rank_failure(r, RankExit(r, 0, time.time()), rec)  # its result is gone
                 raise DistributedError(
                     f"Rank {r} exited with code 0 before returning a result.",
                     rank=r,
                     exitcode=0,
                     run_id=self.run_id,
+                    failures={r: f} if f is not None else None,
                 )
             try:
                 out.append(security.load_private(p))  # only from a 0700 dir of this user
