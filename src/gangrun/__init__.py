@@ -16,6 +16,7 @@ from .errors import (
     DistributedHangError,
     DistributedPreemptedError,
     DistributedTimeoutError,
+    GangError,
     LaunchError,
 )
 
@@ -91,6 +92,7 @@ __all__ = [
     "DistributedCancelledError",
     "DistributedHangError",
     "DistributedPreemptedError",
+    "GangError",
     "Checkpointer",
     "should_stop",
     "heartbeat",

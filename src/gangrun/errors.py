@@ -159,6 +159,37 @@ class DistributedHangError(DistributedError, TimeoutError):
         return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks))
 
 
+class GangError(DistributedError):
+    """An interactive `gangrun.Gang` failed, like a call does: ``rank`` the first failed
+    rank, ``failures`` every rank's `RankFailure`.
+
+    ``ranks`` are the ranks whose execution raised and ``results`` every rank's value in rank
+    order (``None`` where it raised): such a gang stays usable. ``rank_died`` says a rank
+    died instead: its peers were stopped and the gang is broken (``g.restart()``), or it was
+    healed (``max_restarts``); ``before_start``: it died before this execution began.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: list[int] | None = None,
+        results: list[object] | None = None,
+        rank_died: bool = False,
+        before_start: bool = False,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.ranks = list(ranks or [])
+        self.results = results if results is not None else []
+        self.rank_died, self.before_start = rank_died, before_start
+
+    def __reduce__(self):
+        fn, (cls, msg, kw) = super().__reduce__()
+        more = {"ranks": self.ranks, "results": self.results, "rank_died": self.rank_died}
+        return fn, (cls, msg, dict(kw, before_start=self.before_start, **more))
+
+
 __all__ = [
     "DistributedError",
     "LaunchError",
@@ -166,5 +197,6 @@ __all__ = [
     "DistributedCancelledError",
     "DistributedHangError",
     "DistributedPreemptedError",
+    "GangError",
     "signal_name",
 ]

@@ -17,7 +17,6 @@ import json
 import os
 import socket
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 
 def pid_namespace() -> str:
@@ -81,26 +80,10 @@ class ErrorRecord:
         return self.exc_type == "SystemExit" and self.exitcode == 0
 
     @classmethod
-    def coerce(cls, obj: Any) -> ErrorRecord | None:
-        """An `ErrorRecord` from what an error file held (older writers: a dict)."""
-        if isinstance(obj, cls):
-            return obj
-        if not isinstance(obj, dict):
-            return None
-        try:
-            return cls(
-                rank=int(obj.get("rank", -1)),
-                exc_type=str(obj.get("exc_type", "")),
-                message=str(obj.get("message", "")),
-                traceback=str(obj.get("traceback", "")),
-                time=float(obj.get("time", 0.0)),
-                pid=obj.get("pid"),
-                exitcode=obj.get("exitcode"),
-                exc=obj.get("exc"),
-                frame=obj.get("frame"),
-            )
-        except (TypeError, ValueError):
-            return None
+    def coerce(cls, obj: object) -> ErrorRecord | None:
+        """The `ErrorRecord` an error file held; ``None`` for anything else (every writer
+        writes the record itself: the rank, and nothing else)."""
+        return obj if isinstance(obj, cls) else None
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -150,6 +133,11 @@ class RankFailure:
     traceback: str | None  # the rank's formatted traceback when it raised
     time: float = 0.0  # when it failed (time.time())
     frame: str | None = None  # where in user code it raised: "file:line in function"
+
+    @property
+    def is_clean_exit(self) -> bool:
+        """``sys.exit(0)`` before returning: a failure only when a peer then fails."""
+        return self.exc_type == "SystemExit" and self.exitcode == 0
 
 
 __all__ = ["RankContext", "ErrorRecord", "RankFailure", "pid_namespace", "user_frame"]

@@ -76,7 +76,12 @@ def test_exception_on_one_rank_keeps_the_gang_usable(g):
         g.execute("kept.append(1)\nif rank == 1:\n    raise ValueError('bad value on one')\n")
     err = ei.value
     msg = str(err)
-    assert err.rank == 1 and err.ranks == [1]
+    assert isinstance(err, gangrun.GangError) and err.rank == 1 and err.ranks == [1]
+    assert err.results == [None, None] and list(err.failures) == [1]  # as for a call
+    assert (
+        err.failures[1].exc_type == "ValueError" and err.failures[1].message == "bad value on one"
+    )
+    assert (err.failures[1].frame or "").startswith("<gang-cell-")
     assert "rank 1" in msg and "ValueError: bad value on one" in msg
     assert "raise ValueError('bad value on one')" in msg  # the cell's own source line
     assert "<gang-cell-" in err.traceback
@@ -109,6 +114,8 @@ def test_sigkilled_rank_breaks_the_gang_and_restart_works(g, tmp_path):
     assert time.monotonic() - t0 < 15
     msg = str(ei.value)
     assert ei.value.rank == 1 and "SIGKILL" in msg and "g.restart()" in msg, msg
+    assert isinstance(ei.value, gangrun.GangError) and ei.value.rank_died
+    assert ei.value.failures[1].signal == "SIGKILL", ei.value.failures
     assert not pids_alive([pid1, *g.pids.values()])
     assert_no_survivors()
     with pytest.raises(gangrun.DistributedError, match="broken.*restart"):

@@ -75,7 +75,7 @@ def _assert_gang_gone(handle):
 
     gang = handle._run.gang
     nodes = gang.spawner.nodes
-    pids = [info["pid"] for info in nodes.values()] + list(gang.pids.values())
+    pids = [info.pid for info in nodes.values()] + list(gang.pids.values())
     deadline = time.monotonic() + 10
     while pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)

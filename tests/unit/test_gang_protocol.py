@@ -9,6 +9,7 @@ import pytest
 import gangrun
 from gangrun.rank import interactive_protocol as protocol
 from gangrun.rank.interactive import rank_state
+from gangrun.records import ErrorRecord
 
 
 def _run_cell(source: str, ns: dict):
@@ -34,7 +35,13 @@ def test_syntax_error_names_the_cell():
 
 
 def test_framing_roundtrip_in_pieces():
-    msgs = [("exec", 1, "x = 1"), ("ok", b"\x00" * 100_000, 12), ("close",)]
+    rec = ErrorRecord(1, "ValueError", "bad", "tb", 1.0)
+    msgs = [
+        protocol.Exec(1, "x = 1"),
+        protocol.Ok(b"\x00" * 100_000, 12),
+        protocol.Err(rec, 3),
+        protocol.Close(),
+    ]
     data = b"".join(protocol.frame(m) for m in msgs)
     reader = protocol.Reader()
     got = []
@@ -46,10 +53,25 @@ def test_framing_roundtrip_in_pieces():
 def test_framing_over_a_socket_and_eof():
     a, b = socket.socketpair()
     with a, b:
-        protocol.send(a, ("run", b"payload"))
-        assert protocol.recv(b) == ("run", b"payload")
+        protocol.send(a, protocol.Run(b"payload"))
+        assert protocol.recv(b) == protocol.Run(b"payload")
         a.shutdown(socket.SHUT_WR)
         assert protocol.recv(b) is None
+
+
+def test_anything_but_a_gang_message_is_refused():
+    import pickle
+
+    body = pickle.dumps(("exec", 1, "x = 1"))  # the old positional tuples, or anything else
+    with pytest.raises(ValueError, match="not a gangrun peer"):
+        protocol.Reader().feed(protocol.HEADER.pack(len(body)) + body)
+
+
+def test_hello_is_fixed_size_and_round_trips():
+    hello = protocol.Hello(b"t" * 32, 3, 4242)
+    data = hello.pack()
+    assert len(data) == protocol.Hello.WIRE.size
+    assert protocol.Hello.unpack(data) == hello
 
 
 def test_oversized_header_is_refused():

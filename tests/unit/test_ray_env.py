@@ -6,6 +6,7 @@ import sys
 
 from gangrun.launch import GangSpec, RankSpec
 from gangrun.launch.ray import node_envs
+from gangrun.launch.ray.records import NodeInfo
 
 
 def _spec(n: int) -> GangSpec:
@@ -18,10 +19,10 @@ def _spec(n: int) -> GangSpec:
 
 def test_ranks_interleaved_over_two_gpu_nodes():
     nodes = {
-        0: {"node_id": "A", "ip": "10.0.0.1", "gpu_ids": ["3"], "cpus": 16},
-        1: {"node_id": "B", "ip": "10.0.0.2", "gpu_ids": ["0"], "cpus": 8},
-        2: {"node_id": "A", "ip": "10.0.0.1", "gpu_ids": ["5"], "cpus": 16},
-        3: {"node_id": "B", "ip": "10.0.0.2", "gpu_ids": ["1"], "cpus": 8},
+        0: NodeInfo("A", "10.0.0.1", gpu_ids=("3",), cpus=16),
+        1: NodeInfo("B", "10.0.0.2", gpu_ids=("0",), cpus=8),
+        2: NodeInfo("A", "10.0.0.1", gpu_ids=("5",), cpus=16),
+        3: NodeInfo("B", "10.0.0.2", gpu_ids=("1",), cpus=8),
     }
     envs = node_envs(_spec(4).ranks, nodes, 29500, user_omp=False)
     got = {
@@ -42,7 +43,7 @@ def test_ranks_interleaved_over_two_gpu_nodes():
 
 
 def test_cpu_ranks_keep_user_threads_and_drop_caller_devices():
-    nodes = {r: {"node_id": "A", "ip": "1.2.3.4", "gpu_ids": [], "cpus": 4} for r in range(2)}
+    nodes = {r: NodeInfo("A", "1.2.3.4", gpu_ids=(), cpus=4) for r in range(2)}
     spec = _spec(2)
     for rs in spec.ranks:
         rs.env["OMP_NUM_THREADS"] = "3"

@@ -11,6 +11,7 @@ import pytest
 
 from gangrun import LaunchError
 from gangrun.launch.ray import diagnose, ship, versions
+from gangrun.launch.ray.records import NodeInfo
 from gangrun.records import ErrorRecord
 
 
@@ -93,12 +94,12 @@ def test_remote_paths_map_the_caller_paths_into_the_copies():
 def test_versions_major_is_an_error_patch_a_warning():
     mine = {"python": "3.11.7", "gangrun": "0.4.0", "torch": "2.13.0+cpu"}
     node = {"node_id": "a" * 32, "ip": "10.0.0.7"}
-    patch = {0: {**node, "versions": {**mine, "torch": "2.13.1+cu124"}}}
+    patch = {0: NodeInfo(**node, versions={**mine, "torch": "2.13.1+cu124"})}
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         versions.check(patch, mine)
     assert "torch 2.13.1+cu124 on node 10.0.0.7" in str(w[0].message)
-    major = {0: {**node, "versions": {**mine, "python": "3.10.2", "torch": None}}}
+    major = {0: NodeInfo(**node, versions={**mine, "python": "3.10.2", "torch": None})}
     with pytest.raises(LaunchError) as info:
         versions.check(major, mine)
     text = str(info.value)
@@ -109,7 +110,7 @@ def test_versions_major_is_an_error_patch_a_warning():
 def test_missing_file_on_a_node_names_it_and_the_fix(tmp_path):
     _tree(tmp_path, {"proj/.gitignore": "secret.txt\n", "proj/secret.txt": "s", "out/x.txt": "x"})
     manifest, _ = ship.build(str(tmp_path / "proj"), [], (), None)
-    info = {"ip": "10.0.0.7", "node_id": "b" * 32}
+    info = NodeInfo(ip="10.0.0.7", node_id="b" * 32)
 
     def rec(path: str) -> ErrorRecord:
         msg = f"[Errno 2] No such file or directory: '{path}'"

@@ -87,7 +87,7 @@ def test_system_metrics_default_follows_gpus(opt, processes, expected):
     from gangrun.api import Options
 
     o = Options(processes=processes, log_system_metrics=opt)
-    assert resolve_log_system_metrics(o, {"processes": processes}) is expected
+    assert resolve_log_system_metrics(o, processes) is expected
 
 
 def test_cli_flags_map_to_options():

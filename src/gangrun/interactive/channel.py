@@ -3,7 +3,7 @@
 On one node an AF_UNIX socket in a private (0700) directory; on a Ray cluster a TCP socket
 on this machine's address as the cluster sees it (``ray.util.get_node_ip_address()``), so
 ranks on any node reach it. Either way a rank proves it knows the gang's random token before
-the caller reads anything else from it (`HELLO`).
+the caller reads anything else from it (`protocol.Hello`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 
 from ..errors import DistributedError, DistributedTimeoutError
 from ..rank import interactive_protocol as protocol
-from ..rank.interactive import HELLO
 from .outcome import wrapped
 
 log = logging.getLogger("gangrun.interactive")
@@ -88,14 +87,15 @@ class Listener:
                     continue
                 conn.settimeout(10.0)
                 try:
-                    head = protocol.recv_exact(conn, HELLO.size)
+                    head = protocol.recv_exact(conn, protocol.Hello.WIRE.size)
                 except OSError:
                     head = None
                 if head is None:
                     conn.close()
                     continue
-                got, rank, pid = HELLO.unpack(head)
-                if not hmac.compare_digest(got, token.encode("ascii")) or not 0 <= rank < n:
+                hello = protocol.Hello.unpack(head)
+                rank = hello.rank
+                if not hmac.compare_digest(hello.token, token.encode("ascii")) or not 0 <= rank < n:
                     log.warning("gang: refused a connection that did not present the gang's token")
                     conn.close()
                     continue
@@ -103,7 +103,7 @@ class Listener:
                 if conn.family == socket.AF_INET:
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 socks[rank] = conn
-                pids[rank] = pid
+                pids[rank] = hello.pid
         except BaseException:
             release(socks, "")
             raise

@@ -13,11 +13,11 @@ import selectors
 import signal
 import socket
 import time
-from typing import Any
 
 from ..api import RunHandle
 from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
 from ..rank import interactive_protocol as protocol
+from ..records import ErrorRecord
 from .outcome import PerRank, failure
 
 log = logging.getLogger("gangrun.interactive")
@@ -54,7 +54,7 @@ class Exchanges:
     def _unlock(self) -> None:
         raise NotImplementedError
 
-    def _exchange(self, msg: tuple, what: str) -> PerRank:
+    def _exchange(self, msg: protocol.Command, what: str) -> PerRank:
         __tracebackhide__ = True  # IPython: show the ranks' error, not this frame
         if not self._try_lock():
             raise DistributedError(
@@ -71,7 +71,7 @@ class Exchanges:
             deadline = None if limit is None else time.monotonic() + limit
             data = protocol.frame(msg)
             pending = set(self._socks)
-            replies: dict[int, tuple] = {}
+            replies: dict[int, protocol.Reply] = {}
             readers = {r: protocol.Reader() for r in pending}
             stopped: str | None = None
             try:
@@ -119,7 +119,7 @@ class Exchanges:
     def _gather(
         self,
         pending: set[int],
-        replies: dict[int, tuple],
+        replies: dict[int, protocol.Reply],
         readers: dict[int, protocol.Reader],
         until: float | None,
         watch: bool = False,
@@ -147,6 +147,8 @@ class Exchanges:
                     if not data:
                         self._died(r)
                     for m in readers[r].feed(data):
+                        if not isinstance(m, (protocol.Ok, protocol.Err)):
+                            raise ValueError(f"rank {r} sent {type(m).__name__}, not a reply")
                         replies[r] = m
                         pending.discard(r)
                         sel.unregister(self._socks[r])
@@ -167,7 +169,7 @@ class Exchanges:
     def _interrupt(
         self,
         pending: set[int],
-        replies: dict[int, tuple],
+        replies: dict[int, protocol.Reply],
         readers: dict[int, protocol.Reader],
         why: str,
         limit: float | None,
@@ -213,11 +215,11 @@ class Exchanges:
             raise DistributedHangError(f"{self._hang_error}\n{msg}", rank=min(pending))
         raise KeyboardInterrupt(msg)
 
-    def _drain(self, handle: RunHandle[None], replies: dict[int, tuple]) -> None:
+    def _drain(self, handle: RunHandle[None], replies: dict[int, protocol.Reply]) -> None:
         """Wait (briefly) until what each rank printed has reached the caller's output."""
         until = time.monotonic() + DRAIN_S
         for r, reply in replies.items():
-            want = reply[-1] + self._extra.get(r, 0)
+            want = reply.out_bytes + self._extra.get(r, 0)
             path = os.path.join(handle.log_dir, f"rank-{r}.log")
             size = 0
             while True:
@@ -228,27 +230,33 @@ class Exchanges:
                 if size >= want or time.monotonic() > until:
                     break
                 time.sleep(0.002)
-            self._extra[r] = max(self._extra.get(r, 0), size - reply[-1])
+            self._extra[r] = max(self._extra.get(r, 0), size - reply.out_bytes)
 
     def _outcome(
-        self, replies: dict[int, tuple], what: str, stopped: str | None, limit: float | None
+        self,
+        replies: dict[int, protocol.Reply],
+        what: str,
+        stopped: str | None,
+        limit: float | None,
     ) -> PerRank:
         __tracebackhide__ = True
         values = PerRank([None] * len(self._socks))
-        failed: dict[int, dict[str, Any]] = {}
+        failed: dict[int, ErrorRecord] = {}
         for r in sorted(replies):
-            kind, body = replies[r][0], replies[r][1]
-            if kind == "err":
-                failed[r] = body
+            reply = replies[r]
+            if isinstance(reply, protocol.Err):
+                failed[r] = reply.record
                 continue
             try:
-                values[r] = None if body is None else pickle.loads(body)
+                values[r] = None if reply.value is None else pickle.loads(reply.value)
             except Exception as exc:
-                failed[r] = {
-                    "exc_type": type(exc).__name__,
-                    "message": f"rank {r}'s value cannot be loaded here: {exc}",
-                    "traceback": f"{type(exc).__name__}: {exc}\n",
-                }
+                failed[r] = ErrorRecord(
+                    rank=r,
+                    exc_type=type(exc).__name__,
+                    message=f"rank {r}'s value cannot be loaded here: {exc}",
+                    traceback=f"{type(exc).__name__}: {exc}\n",
+                    time=time.time(),
+                )
         if stopped == "interrupt":
             raise KeyboardInterrupt(f"{what} was interrupted on every rank; the gang is usable.")
         if stopped == "timeout":

@@ -6,7 +6,9 @@ import logging
 import pickle
 from typing import Any
 
-from ..errors import DistributedError
+from ..errors import DistributedError, GangError
+from ..lifecycle.rootcause import rank_failure
+from ..records import ErrorRecord, RankFailure
 
 log = logging.getLogger("gangrun.interactive")
 
@@ -18,49 +20,63 @@ class PerRank(list):  # type: ignore[type-arg]
         p.text("\n".join(f"[rank {r}] {v!r}" for r, v in enumerate(self)))
 
 
-def wrapped(message: str, err: DistributedError) -> DistributedError:
-    """A gang's own error around ``err``: the message, with the rank, exit code, traceback
-    and exception type of the failure underneath."""
-    return DistributedError(
+def wrapped(message: str, err: DistributedError) -> GangError:
+    """A gang's own error around ``err``: the message, with the rank, exit code, traceback,
+    exception type and every rank's failure of the error underneath."""
+    gang = err if isinstance(err, GangError) else None
+    return GangError(
         message,
         rank=err.rank,
         exitcode=err.exitcode,
         traceback=err.traceback,
         exc_type=err.exc_type,
         run_id=err.run_id,
+        failures=err.failures,
+        ranks=gang.ranks if gang else None,
+        results=gang.results if gang else None,
+        rank_died=gang.rank_died if gang else False,
+        before_start=gang.before_start if gang else False,
     )
 
 
 def failure(
-    failed: dict[int, dict[str, Any]], values: PerRank, what: str, run_id: str | None
-) -> DistributedError:
-    """The error for an execution that raised on some ranks (the gang stays usable)."""
+    failed: dict[int, ErrorRecord], values: PerRank, what: str, run_id: str | None
+) -> GangError:
+    """The error for an execution that raised on some ranks (the gang stays usable); each
+    rank's record becomes its `RankFailure` as a call's does (`rootcause.rank_failure`)."""
     ranks = sorted(failed)
-    first = failed[ranks[0]]
+    failures: dict[int, RankFailure] = {}
+    for r in ranks:
+        f = rank_failure(r, None, failed[r])
+        assert f is not None  # a record is a failure
+        failures[r] = f
+    first = failures[ranks[0]]
     names = ", ".join(map(str, ranks))
     lines = [
         f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {names} (of "
-        f"{len(values)}): {first['exc_type']}: {first['message']}",
+        f"{len(values)}): {first.exc_type}: {first.message}",
         "The gang is still usable; ranks that did not fail keep their state.",
     ]
     by_tb: dict[str, list[int]] = {}
     for r in ranks:
-        by_tb.setdefault(failed[r]["traceback"], []).append(r)
+        by_tb.setdefault(failures[r].traceback or "", []).append(r)
     for tb, rs in by_tb.items():
         label = ", ".join(map(str, rs))
         lines.append(f"\n[rank{'s' if len(rs) > 1 else ''} {label}] {tb.rstrip()}")
-    err = DistributedError(
+    err = GangError(
         "\n".join(lines),
         rank=ranks[0],
-        traceback=first["traceback"],
-        exc_type=first["exc_type"],
+        traceback=first.traceback,
+        exc_type=first.exc_type,
         run_id=run_id,
+        failures=failures,
+        ranks=ranks,
+        results=values,
     )
-    err.ranks = ranks  # type: ignore[attr-defined]
-    err.results = values  # type: ignore[attr-defined]
-    if first.get("exc"):
+    exc = failed[ranks[0]].exc
+    if exc:
         try:
-            err.__cause__ = pickle.loads(first["exc"])
+            err.__cause__ = pickle.loads(exc)
         except Exception:  # a class that cannot be rebuilt here: the text says it all
             log.debug("gang: cannot rebuild rank %d's exception", ranks[0], exc_info=True)
     return err

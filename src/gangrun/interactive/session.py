@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import serialization
 from ..api import RunHandle, distributed
-from ..errors import DistributedError, LaunchError
+from ..errors import DistributedError, GangError, LaunchError
 from ..lifecycle import calls
 from ..options import DEFAULT_TIMEOUT, Options
 from ..rank import interactive_protocol as protocol
@@ -158,7 +158,7 @@ class Gang(Exchanges):
         __tracebackhide__ = True
         assert self.setup is not None
         try:
-            self._exchange(("run", self._payload(self.setup, (), {})), "setup()")
+            self._exchange(protocol.Run(self._payload(self.setup, (), {})), "setup()")
         except DistributedError as err:
             msg = f"the gang's setup() failed, so the gang was not made usable: {err}"
             raise wrapped(msg, err) from err
@@ -175,7 +175,7 @@ class Gang(Exchanges):
         handle = self._handle
         for s in self._socks.values():
             try:
-                protocol.send(s, ("close",))
+                protocol.send(s, protocol.Close())
             except OSError:
                 log.debug("gang: rank connection already gone at close", exc_info=True)
         release(self._socks, self._dir)
@@ -225,7 +225,7 @@ class Gang(Exchanges):
             raise TypeError(f"execute() takes the code as a string, got {type(code).__name__}")
         cell = next(_cells)
         protocol.compile_cell(code, protocol.cell_filename(cell))  # SyntaxError here, first
-        return self._healing(("exec", cell, code), "the execution")
+        return self._healing(protocol.Exec(cell, code), "the execution")
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every warm rank; per-rank results in rank order.
@@ -234,7 +234,7 @@ class Gang(Exchanges):
         if not callable(fn):
             raise LaunchError(f"Gang.run takes a function, got {fn!r}")
         name = getattr(fn, "__qualname__", repr(fn))
-        return self._healing(("run", self._payload(fn, args, kwargs)), f"{name}()")
+        return self._healing(protocol.Run(self._payload(fn, args, kwargs)), f"{name}()")
 
     def _payload(self, fn: Any, args: tuple, kwargs: dict) -> bytes:
         limit = self.options.max_capture_bytes
@@ -246,7 +246,7 @@ class Gang(Exchanges):
             raise serialization._too_large(fn, args, kwargs, limit)
         return payload
 
-    def _healing(self, msg: tuple, what: str) -> PerRank:
+    def _healing(self, msg: protocol.Command, what: str) -> PerRank:
         """One execution; when a rank died and ``max_restarts`` allows, heal the gang (and,
         if the rank died before this execution began, run it on the healed gang)."""
         __tracebackhide__ = True
@@ -255,7 +255,7 @@ class Gang(Exchanges):
         except DistributedError as err:
             if not self._heal(err):
                 raise
-            if getattr(err, "before_start", False):
+            if isinstance(err, GangError) and err.before_start:
                 return self._exchange(msg, what)
             text = (
                 f"{err}\n\nThe gang healed itself (restart {self.restarts} of "
@@ -269,7 +269,7 @@ class Gang(Exchanges):
         if (
             not self._broken
             or self.restarts >= self.max_restarts
-            or not getattr(err, "rank_died", False)
+            or not (isinstance(err, GangError) and err.rank_died)
         ):
             return False
         self.restarts += 1
@@ -361,17 +361,17 @@ class Gang(Exchanges):
             if self.restarts >= self.max_restarts
             else "The other ranks were stopped."
         )
-        out = DistributedError(
+        raise GangError(
             f"{who} of the gang died{detail}\n{fix}",
             rank=rank if err is None else err.rank,
             exitcode=None if err is None else err.exitcode,
             traceback=None if err is None else err.traceback,
             exc_type=None if err is None else err.exc_type,
             run_id=None if err is None else err.run_id,
-        )
-        out.rank_died = True  # type: ignore[attr-defined]
-        out.before_start = before_start  # type: ignore[attr-defined]
-        raise out from err
+            failures=None if err is None else err.failures,
+            rank_died=True,
+            before_start=before_start,
+        ) from err
 
 
 def _close_all() -> None:

@@ -59,12 +59,24 @@ class GangSpec:
 
 
 @dataclass(frozen=True)
+class LostRank:
+    """The launch machinery lost a rank: it cannot say how the rank itself ended (its fork
+    server died, its Ray actor or node went away, waiting for it failed). What the caller's
+    error says of it; ``lifecycle.rootcause.rank_failure`` turns it into the rank's failure."""
+
+    why: str  # in words: "the fork server (pid 12) died (killed by SIGKILL)"
+    exc_type: str | None = None  # e.g. "ray.ActorDiedError" (the restart rules read it)
+    detail: str = ""  # the longer story (the failure's traceback text)
+    launcher: bool = True  # gangrun's own machinery died: no rank is to blame
+    hint: str = ""  # what to do about it, for the caller's error
+
+
+@dataclass(frozen=True)
 class RankExit:
     rank: int
     exitcode: int
     time: float  # time.time() when the exit was observed
-    # set when the launch machinery itself lost the rank (its fork server died): why, in words
-    lost: str | None = None
+    lost: LostRank | None = None  # set when the launch machinery itself lost the rank
 
 
 class RankIO:
@@ -84,8 +96,8 @@ class RankProcess(Protocol):
     """One started rank, whatever started it (cf. CPython's ``multiprocessing`` Popen)."""
 
     pid: int
-    # Optional attribute ``lost: str | None``, read after wait(): set when the launcher itself
-    # lost the rank (a dead fork server), see RankExit.lost.
+    # Optional attribute ``lost: LostRank | None``, read after wait(): set when the launcher
+    # itself lost the rank (a dead fork server, a lost Ray actor), see RankExit.lost.
 
     def wait(self) -> int:
         """Block until the rank ended; its exit code (``-N``: killed by signal ``N``). Called

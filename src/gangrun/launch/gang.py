@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING
 
 from .. import platform
 from ..rundir import RunDir, log_path
-from . import ExitSink, GangSpec, RankExit, RankIO, RankProcess, RankSpec, Spawner
+from . import ExitSink, GangSpec, LostRank, RankExit, RankIO, RankProcess, RankSpec, Spawner
 from .limits import check_env
 from .spawn import SpawnSpawner, close_fds
 
@@ -158,13 +158,19 @@ class ProcessGang:
         self._waiters.append(t)
 
     def _wait(self, rank: int, proc: RankProcess) -> None:
+        lost: LostRank | None
         try:
             code = proc.wait()
-        except BaseException:  # a bug in a spawner must still end the rank's wait
+            lost = getattr(proc, "lost", None)
+        except BaseException as exc:  # a bug in a spawner must still end the rank's wait
             log.exception("waiting for rank %d failed", rank)
             code = -signal.SIGKILL
+            lost = LostRank(
+                f"waiting for rank {rank} failed ({type(exc).__name__}: {exc})",
+                hint="This is a bug in gangrun: please report it with the log above.",
+            )
         self._done[rank].set()
-        self.events.put(RankExit(rank, code, time.time(), getattr(proc, "lost", None)))
+        self.events.put(RankExit(rank, code, time.time(), lost))
 
     # -- state and teardown -----------------------------------------------------------
     def alive(self) -> list[int]:

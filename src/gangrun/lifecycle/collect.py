@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from .. import diskspace, security
@@ -12,9 +13,14 @@ from ..errors import DistributedError
 from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
 from ..rundir import RunDir
-from .rootcause import Candidate, build_error, exit_failed, failure_of, is_peer_echo, pick
+from .rootcause import Candidate, build_error, is_peer_echo, pick, rank_failure
 
 log = logging.getLogger("gangrun.lifecycle.collect")
+
+
+def _blamed(ev: RankExit) -> bool:
+    """Lost where the rank ran (a Ray actor or its node), not by gangrun's own machinery."""
+    return ev.lost is not None and not ev.lost.launcher
 
 
 class RankFiles:
@@ -46,9 +52,11 @@ class RankFiles:
         return os.path.exists(self.rundir.result(rank))
 
     def exit_failed(self, ev: RankExit) -> bool:
-        """The error record is authoritative; exit 0 with neither result nor record failed."""
+        """Whether this exit fails the call while it runs (`rootcause.rank_failure`; a
+        ``sys.exit(0)`` before returning does not, unless a peer then fails)."""
         rec = self.record(ev.rank)
-        return exit_failed(ev, rec, rec is None and self.has_result(ev.rank))
+        f = rank_failure(ev.rank, ev, rec, rec is None and self.has_result(ev.rank))
+        return f is not None and not f.is_clean_exit
 
     def root_cause(
         self, exits: dict[int, RankExit], first: RankExit, teardown_at: float, pids: dict[int, int]
@@ -59,23 +67,27 @@ class RankFiles:
         late_window = min(1.0, self.grace)
         for rank, ev in exits.items():
             rec = self.record(rank)
-            clean_early = rec is not None and rec.is_clean_exit
-            if not clean_early and not exit_failed(ev, rec, self.has_result(rank)):
+            f = rank_failure(rank, ev, rec, self.has_result(rank))
+            if f is None:
                 continue  # returned normally
-            c = Candidate(rec.time if rec else ev.time, rank, ev, rec)
+            c = Candidate(f.time, rank, ev, rec)
             if rank == first.rank or c.time <= teardown_at:
                 candidates.append(c)  # ended (without returning) before the teardown
-                failures[rank] = failure_of(c)
-            elif rec is not None and not clean_early:
-                failures[rank] = failure_of(c)  # raised during the teardown: kept, not blamed
-            elif rec is None and ev.exitcode != 0 and c.time <= teardown_at + late_window:
+                failures[rank] = f
+            elif (rec is not None or _blamed(ev)) and not f.is_clean_exit:
+                failures[rank] = f  # raised (or its node went) in the teardown: kept, not blamed
+            elif ev.exitcode != 0 and c.time <= teardown_at + late_window:
                 late.append(c)
-        lost = sorted(r for r, ev in exits.items() if ev.lost and self.record(r) is None)
-        if lost and all(c.rank in lost or is_peer_echo(c.record) for c in candidates):
+        lost = sorted(
+            r
+            for r, ev in exits.items()
+            if ev.lost is not None and ev.lost.launcher and self.record(r) is None
+        )
+        if lost and all(c.rank in lost or is_peer_echo(c.failure) for c in candidates):
             # gangrun's own machinery died under the ranks: no rank is the cause
             return self._launcher_lost(exits, lost, failures)
         cause = pick(candidates, late)
-        failures.setdefault(cause.rank, failure_of(cause))
+        failures.setdefault(cause.rank, cause.failure)
         err = build_error(
             cause,
             dict(sorted(failures.items())),
@@ -98,15 +110,17 @@ class RankFiles:
     def _launcher_lost(
         self, exits: dict[int, RankExit], lost: list[int], failures: dict[int, RankFailure]
     ) -> DistributedError:
-        why = next(ev.lost for ev in exits.values() if ev.lost)
+        gone = exits[lost[0]].lost
+        assert gone is not None
+        why = gone.why
         others = sorted(r for r in range(self.world_size) if r not in lost)
         stopped = f" The other rank(s) {others} were stopped." if others else ""
+        hint = f" {gone.hint}" if gone.hint else ""
         msg = (
             f"{why[:1].upper()}{why[1:]} while the call was running: rank(s) {lost} were "
             f"stopped with it.{stopped} No rank failed on its own: the launcher that started "
             "the ranks died, not your code (was it killed, e.g. by the out-of-memory killer? "
-            'check `dmesg`). The next call starts a new fork server; start_method="spawn" '
-            f"starts ranks as fresh interpreters instead. Logs: the files in {self.rundir.logs}"
+            f"check `dmesg`).{hint} Logs: the files in {self.rundir.logs}"
         )
         own = {r: f for r, f in failures.items() if r not in lost}
         return DistributedError(msg, run_id=self.run_id, failures=own)
@@ -128,11 +142,13 @@ class RankFiles:
                 if rec is not None and rec.is_clean_exit:
                     out.append(None)
                     continue
+                f = rank_failure(r, RankExit(r, 0, time.time()), rec)  # its result is gone
                 raise DistributedError(
                     f"Rank {r} exited with code 0 before returning a result.",
                     rank=r,
                     exitcode=0,
                     run_id=self.run_id,
+                    failures={r: f} if f is not None else None,
                 )
             try:
                 out.append(security.load_private(p))  # only from a 0700 dir of this user

@@ -16,6 +16,7 @@ from .state import Outcome, State
 
 if TYPE_CHECKING:
     from ..tracking.caller import Tracker
+    from ..tracking.plan import TrackingInfo
 
 log = logging.getLogger("gangrun.lifecycle.observers")
 
@@ -30,7 +31,7 @@ class CallInfo:
     attempt: int = 0
     max_restarts: int = 0
     log_files: dict[int, str] = field(default_factory=dict)
-    tracking: dict[str, Any] = field(default_factory=dict)  # params/tags for the MLflow run
+    tracking: TrackingInfo | None = None  # params/tags for the MLflow run (set by the plan)
     stdout: IO[str] | None = None
     stderr: IO[str] | None = None
 
@@ -66,7 +67,7 @@ class MlflowObserver(Observer):
     first launch (its link printed), ended with the outcome's status (logs attached) when the
     call reaches a terminal state."""
 
-    def __init__(self, start: Callable[[dict[str, Any], Any], Any] | None = None) -> None:
+    def __init__(self, start: Callable[[TrackingInfo, Any], Any] | None = None) -> None:
         self._start = start
         self.tracker: Tracker | None = None  # once started
 
@@ -82,6 +83,7 @@ class MlflowObserver(Observer):
             from ..tracking import Tracker
 
             start = Tracker.start
+        assert call.tracking is not None  # the plan made it before the first launch
         self.tracker = start(call.tracking, call.stdout)
 
     def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:

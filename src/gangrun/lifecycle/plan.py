@@ -13,7 +13,7 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import contract
 from ..accelerators import Accelerator
@@ -22,6 +22,9 @@ from ..launch import RankSpec
 from ..options import Options
 from ..platform import cpu_count, free_port, process_identity
 from ..records import RankContext, pid_namespace
+
+if TYPE_CHECKING:
+    from ..tracking.plan import TrackingInfo
 
 
 @dataclass
@@ -184,29 +187,27 @@ def tracking_info(
     fn: Callable[..., Any],
     args: tuple,
     kwargs: Mapping[str, Any],
-) -> dict[str, Any]:
+) -> TrackingInfo:
     """What the MLflow run records about the call (params and tags)."""
-    from ..tracking.plan import call_arguments
+    from ..tracking.plan import TrackingInfo, call_arguments
     from ..version import __version__
 
-    info = {
-        "function": plan.fn_name,
-        "world_size": plan.world_size,
-        "processes": opts.processes,
-        "gpus": opts.gpus if opts.processes is None else None,
-        "gpu_type": plan.gpu_name or opts.gpu_type,
-        "timeout": opts.timeout,
-        "version": __version__,
-        "host": socket.gethostname(),
-        "args": call_arguments(fn, args, dict(kwargs)),  # by parameter name
-        "run_id": plan.run_id,
-        "options": opts,  # experiment_name, run_name, run_id, tags, log_system_metrics
+    return TrackingInfo(
+        function=plan.fn_name,
+        world_size=plan.world_size,
+        run_id=plan.run_id,
+        options=opts,
+        processes=opts.processes,
+        gpus=opts.gpus if opts.processes is None else None,
+        gpu_type=plan.gpu_name or opts.gpu_type,
+        timeout=opts.timeout,
+        version=__version__,
+        host=socket.gethostname(),
+        args=call_arguments(fn, args, dict(kwargs)),  # by parameter name
         # the file the call runs, when the callable names it (gangrun run: the script)
-        "source": getattr(fn, "source_file", None),
-    }
-    if plan.backend == "ray":
-        info["backend"] = "ray"
-    return info
+        source=getattr(fn, "source_file", None),
+        backend="ray" if plan.backend == "ray" else None,
+    )
 
 
 __all__ = [

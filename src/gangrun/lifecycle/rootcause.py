@@ -7,9 +7,15 @@ record with an earlier timestamp. Sorting by time alone then blames the peer (me
 runs with a SIGKILLed rank and a peer inside ``all_reduce``). So errors that are the *echo* of
 a peer's death (gloo/NCCL/store connection errors) rank behind every other failure.
 
-The error record is authoritative: a rank that wrote one failed, whatever its exit status
-said (a caller that ignores ``SIGCHLD`` sees every exit as 0); a rank that ended with neither
-a result nor a record failed too ("exited with code 0 before returning").
+Where a rank's exit becomes an error is one function, `rank_failure`: the exit the launcher
+saw, the error record the rank wrote and whether it left a result go in, the rank's
+`RankFailure` (or ``None``: it returned) comes out. The error record is authoritative: a rank
+that wrote one failed, whatever its exit status said (a caller that ignores ``SIGCHLD`` sees
+every exit as 0); a rank that ended with neither a result nor a record failed too ("exited
+with code 0 before returning"); a rank its launcher lost (`gangrun.launch.LostRank`: a dead
+fork server, a lost Ray actor, a failed wait) failed as the launcher says. The call's ranks
+(`lifecycle.collect`), the interactive gang's executions (`interactive.outcome`) and the
+launchers' special cases all go through it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,46 @@ _PEER_ECHO = re.compile(
 )
 
 
+def rank_failure(
+    rank: int, exit: RankExit | None, record: ErrorRecord | None, has_result: bool = False
+) -> RankFailure | None:
+    """Where a rank's exit becomes an error: its `RankFailure`, or ``None`` when it returned.
+
+    ``exit`` is how its launcher saw it end (``None``: it did not end, e.g. an interactive
+    gang's execution that raised), ``record`` the error record it wrote, ``has_result``
+    whether it left a result. In order: a record is authoritative (a ``sys.exit(0)`` before
+    returning gives a failure whose ``is_clean_exit`` is true: a failure only if a peer then
+    fails); a rank the launcher lost (``exit.lost``) failed as the launcher tells; exit 0 with
+    a result returned; any other exit failed (killed by a signal, an exit code, or exit 0
+    before returning)."""
+    code = exit.exitcode if exit is not None else None
+    if record is not None:
+        if record.exitcode is not None:
+            exitcode: int | None = record.exitcode
+        else:
+            exitcode = (code or 1) if exit is not None else None
+        return RankFailure(
+            rank=rank,
+            exitcode=exitcode,
+            signal=signal_name(code),
+            exc_type=record.exc_type,
+            message=record.message if not record.is_clean_exit else _early(code or 0),
+            traceback=record.traceback or None,
+            time=record.time,
+            frame=record.frame,
+        )
+    if exit is None:
+        return None
+    sig = signal_name(code)
+    if exit.lost is not None:
+        lost = exit.lost
+        return RankFailure(rank, code, sig, lost.exc_type, lost.why, lost.detail or None, exit.time)
+    if code == 0 and has_result:
+        return None
+    what = f"killed by {sig}" if sig else _early(code) if code == 0 else f"exited with code {code}"
+    return RankFailure(rank, code, sig, None, what, None, exit.time)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A rank that failed: when, how it exited, and its error record (None: no record)."""
@@ -45,52 +91,32 @@ class Candidate:
     exit: RankExit
     record: ErrorRecord | None
 
+    @property
+    def failure(self) -> RankFailure:
+        """The rank's failure (`rank_failure`)."""
+        f = rank_failure(self.rank, self.exit, self.record)
+        assert f is not None  # no result: a candidate never returned
+        return f
 
-def is_peer_echo(rec: ErrorRecord | None) -> bool:
+
+def is_peer_echo(f: RankFailure | None) -> bool:
     """The rank failed because a peer went away (not a cause of its own)."""
-    if rec is None:
+    if f is None or f.exc_type is None:
         return False
-    return bool(_PEER_ECHO.search(f"{rec.exc_type}: {rec.message}"))
+    return bool(_PEER_ECHO.search(f"{f.exc_type}: {f.message}"))
 
 
 def pick(candidates: list[Candidate], late: list[Candidate]) -> Candidate:
     """The root cause among ``candidates`` (failures before the teardown). ``late``:
     record-less deaths seen just after the teardown began that were not caused by it (not
     SIGTERM); they are only preferred over peer echoes."""
-    own = [c for c in candidates if not is_peer_echo(c.record)]
+    own = [c for c in candidates if not is_peer_echo(c.failure)]
     if own:
         return min(own, key=lambda c: (c.time, c.rank))
     late = [c for c in late if c.exit.exitcode != -signal.SIGTERM]
     if late:
         return min(late, key=lambda c: (c.time, c.rank))
     return min(candidates, key=lambda c: (c.time, c.rank))
-
-
-def exit_failed(ev: RankExit, rec: ErrorRecord | None, has_result: bool) -> bool:
-    """Whether this exit is a failure while the call runs: a nonzero status, an error record
-    (other than a clean ``sys.exit(0)``), or exit 0 with neither a result nor a record."""
-    if rec is not None:
-        return not rec.is_clean_exit
-    return ev.exitcode != 0 or not has_result
-
-
-def failure_of(c: Candidate) -> RankFailure:
-    rec, code = c.record, c.exit.exitcode
-    if rec is not None:
-        exitcode = rec.exitcode if rec.exitcode is not None else (code or 1)
-        return RankFailure(
-            rank=c.rank,
-            exitcode=exitcode,
-            signal=signal_name(code),
-            exc_type=rec.exc_type,
-            message=rec.message if not rec.is_clean_exit else _early(code),
-            traceback=rec.traceback or None,
-            time=c.time,
-            frame=rec.frame,
-        )
-    sig = signal_name(code)
-    what = f"killed by {sig}" if sig else _early(code) if code == 0 else f"exited with code {code}"
-    return RankFailure(c.rank, code, sig, None, what, None, c.time)
 
 
 def _early(code: int) -> str:
@@ -120,29 +146,28 @@ def build_error(
     run_id: str,
 ) -> DistributedError:
     """The caller's error: the root cause first, then the others stopped, every failure kept."""
-    rank, rec, code = cause.rank, cause.record, cause.exit.exitcode
+    rank, rec, code, f = cause.rank, cause.record, cause.exit.exitcode, cause.failure
     log_tail = tail(log_file)
-    sig = signal_name(code)
     others = sorted(r for r in range(world_size) if r != rank)
-    if rec is not None and rec.is_clean_exit:
+    if f.is_clean_exit:
         head = (
             f"Rank {rank} (pid {pid}) exited with code 0 before returning (sys.exit while its "
             "peers were still running)."
         )
         body = log_tail
-    elif rec is not None and rec.exc_type != "SystemExit":
-        head = f"Rank {rank} (pid {pid}) failed: {rec.exc_type}: {rec.message}"
-        body = rec.traceback
-    elif rec is not None:
-        head = f"Rank {rank} (pid {pid}) exited with code {rec.exitcode} (sys.exit)."
+    elif f.exc_type is not None and f.exc_type != "SystemExit":
+        head = f"Rank {rank} (pid {pid}) failed: {f.exc_type}: {f.message}"
+        body = f.traceback or ""
+    elif f.exc_type is not None:
+        head = f"Rank {rank} (pid {pid}) exited with code {f.exitcode} (sys.exit)."
         body = log_tail
-    elif sig is not None:
+    elif f.signal is not None:
         hint = ""
-        if sig == "SIGKILL":
+        if f.signal == "SIGKILL":
             hint = " (often the out-of-memory killer: check `dmesg`, lower the batch size)"
-        elif sig == "SIGSEGV":
+        elif f.signal == "SIGSEGV":
             hint = " (a crash in native code: the log below holds the Python stack)"
-        head = f"Rank {rank} (pid {pid}) was killed by {sig}{hint}."
+        head = f"Rank {rank} (pid {pid}) was killed by {f.signal}{hint}."
         body = log_tail
     elif code == 0:
         head = f"Rank {rank} (pid {pid}) exited with code 0 before returning a result."
@@ -166,8 +191,8 @@ def build_error(
         msg,
         rank=rank,
         exitcode=failures[rank].exitcode if rank in failures else code,
-        traceback=(rec.traceback or None) if rec else None,
-        exc_type=rec.exc_type if rec else None,
+        traceback=f.traceback,
+        exc_type=f.exc_type,
         log_tail=log_tail,
         run_id=run_id,
         failures=failures,
@@ -182,4 +207,4 @@ def build_error(
     return err
 
 
-__all__ = ["Candidate", "is_peer_echo", "pick", "exit_failed", "failure_of", "build_error"]
+__all__ = ["rank_failure", "Candidate", "is_peer_echo", "pick", "build_error"]

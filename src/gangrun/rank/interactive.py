@@ -7,19 +7,20 @@ Imports nothing heavy: a rank that only serves cells pays for nothing it does no
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import faulthandler
 import linecache
 import os
 import signal
-import struct
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import interactive_protocol as protocol
 
-HELLO = struct.Struct("!32sii")  # token, rank, pid: checked before anything is unpickled
+if TYPE_CHECKING:
+    from ..records import ErrorRecord
 
 _state: dict[str, Any] | None = None
 _executing = False
@@ -72,31 +73,29 @@ def _trimmed_tb(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:
-    import dataclasses
-
+def _error_record(rank: int, exc: BaseException) -> ErrorRecord:
     from .worker import _error_record as record
 
-    return dataclasses.asdict(record(rank, exc, _trimmed_tb(exc)))
+    return record(rank, exc, _trimmed_tb(exc))
 
 
-def _run(msg: tuple, ns: dict[str, Any]) -> Any:
-    if msg[0] == "exec":
-        _, cell_id, source = msg
-        filename = protocol.cell_filename(cell_id)
+def _run(msg: protocol.Command, ns: dict[str, Any]) -> Any:
+    if isinstance(msg, protocol.Exec):
+        filename = protocol.cell_filename(msg.cell_id)
+        source = msg.source
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         body, last = protocol.compile_cell(source, filename)
         exec(body, ns)
         return None if last is None else eval(last, ns)
-    if msg[0] == "run":
+    if isinstance(msg, protocol.Run):
         import pickle
 
-        fn, args, kwargs = pickle.loads(msg[1])
+        fn, args, kwargs = pickle.loads(msg.payload)
         return fn(*args, **kwargs)
-    raise ValueError(f"unknown gang command {msg[0]!r}")
+    raise ValueError(f"unknown gang command {msg!r}")
 
 
-def _guarded(msg: tuple, ns: dict[str, Any]) -> tuple[bool, Any]:
+def _guarded(msg: protocol.Command, ns: dict[str, Any]) -> tuple[bool, Any]:
     """Run one command; ``(True, value)`` or ``(False, exception)``. A SIGINT can turn into a
     KeyboardInterrupt only while ``_executing`` is set, and then always lands in here."""
     global _executing
@@ -110,20 +109,21 @@ def _guarded(msg: tuple, ns: dict[str, Any]) -> tuple[bool, Any]:
         return False, exc
 
 
-def _reply(rank: int, ok: bool, value: Any) -> tuple:
+def _reply(rank: int, ok: bool, value: Any, out_bytes: int) -> protocol.Reply:
     if ok:
         from .. import serialization
 
         try:
-            return ("ok", None if value is None else serialization.dumps(value))
+            return protocol.Ok(None if value is None else serialization.dumps(value), out_bytes)
         except Exception as exc:
             msg = (
                 f"rank {rank}: the value ({type(value).__module__}.{type(value).__qualname__}) "
                 f"cannot be serialized: {type(exc).__name__}: {exc}. End the cell with a "
                 "statement (e.g. `x = ...;`) or return plain data; the value stays on the rank."
             )
-            return ("err", _error_record(rank, TypeError(msg)) | {"traceback": msg + "\n"})
-    return ("err", _error_record(rank, value))
+            rec = dataclasses.replace(_error_record(rank, TypeError(msg)), traceback=msg + "\n")
+            return protocol.Err(rec, out_bytes)
+    return protocol.Err(_error_record(rank, value), out_bytes)
 
 
 def gang(address: str, token: str) -> None:
@@ -137,17 +137,18 @@ def gang(address: str, token: str) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # hang reports
-    sock.sendall(HELLO.pack(token.encode("ascii"), rank, os.getpid()))
+    sock.sendall(protocol.Hello(token.encode("ascii"), rank, os.getpid()).pack())
     while True:
         msg = protocol.recv(sock)
-        if msg is None or msg[0] == "close":
+        if msg is None or isinstance(msg, protocol.Close):
             break
+        if isinstance(msg, (protocol.Ok, protocol.Err)):
+            raise ValueError(f"a reply sent to a rank: {msg!r}")
         ok, value = _guarded(msg, _state)
-        reply = _reply(rank, ok, value)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # a closed or odd stream replaced by user code: nothing to flush
                 continue
-        protocol.send(sock, (*reply, _written[0]))
+        protocol.send(sock, _reply(rank, ok, value, _written[0]))
     sock.close()

@@ -1,12 +1,12 @@
 """The wire between a `Gang` and its ranks, and how a cell is compiled.
 
-One message is an 8-byte big-endian length followed by a pickle (protocol 5) of a tuple.
-The socket is an AF_UNIX path on one node, ``tcp://host:port`` on a Ray cluster
-(`connect`). Caller to rank: ``("exec", cell_id, source)``, ``("run", payload)`` (cloudpickled
-``(fn, args, kwargs)``), ``("close",)``. Rank to caller: first ``("hello", token, rank, pid)``,
-then one ``("ok", value_bytes, out_bytes)`` or ``("err", record, out_bytes)`` per command;
-``out_bytes`` is what the rank wrote through ``sys.stdout``/``sys.stderr`` so far, so the
-caller knows when its output has reached the cell.
+One message is an 8-byte big-endian length followed by a pickle (protocol 5) of one frozen
+record. The socket is an AF_UNIX path on one node, ``tcp://host:port`` on a Ray cluster
+(`connect`). A rank first sends its `Hello` (fixed size, checked before anything is
+unpickled). Caller to rank: `Exec` (a cell), `Run` (cloudpickled ``(fn, args, kwargs)``),
+`Close`. Rank to caller: one `Ok` (the value) or `Err` (the rank's `ErrorRecord`) per
+command; ``out_bytes`` is what the rank wrote through ``sys.stdout``/``sys.stderr`` so far,
+so the caller knows when its output has reached the cell.
 """
 
 from __future__ import annotations
@@ -15,20 +15,83 @@ import ast
 import pickle
 import socket
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..records import ErrorRecord
 
 HEADER = struct.Struct("!Q")
 PROTOCOL = 5
 MAX_MESSAGE = 1 << 40
 
 
-def frame(msg: tuple) -> bytes:
+@dataclass(frozen=True)
+class Hello:
+    """A rank's first bytes: the gang's token, its rank and pid (a fixed-size struct)."""
+
+    token: bytes
+    rank: int
+    pid: int
+
+    WIRE: ClassVar[struct.Struct] = struct.Struct("!32sii")
+
+    def pack(self) -> bytes:
+        return self.WIRE.pack(self.token, self.rank, self.pid)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Hello:
+        token, rank, pid = cls.WIRE.unpack(data)
+        return cls(token, rank, pid)
+
+
+@dataclass(frozen=True)
+class Exec:
+    """Run a cell's ``source`` (compiled as ``<gang-cell-{cell_id}>``) in the namespace."""
+
+    cell_id: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Run:
+    """Call a function: ``payload`` is cloudpickled ``(fn, args, kwargs)``."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Close:
+    """Leave: the rank's call returns."""
+
+
+@dataclass(frozen=True)
+class Ok:
+    """The command's value (pickled; ``None`` for no value)."""
+
+    value: bytes | None
+    out_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Err:
+    """The command raised: the rank's error record."""
+
+    record: ErrorRecord
+    out_bytes: int = 0
+
+
+Command = Exec | Run | Close
+Reply = Ok | Err
+Message = Command | Reply
+
+
+def frame(msg: Message) -> bytes:
     """``msg`` as one message: length header + pickle."""
     body = pickle.dumps(msg, protocol=PROTOCOL)
     return HEADER.pack(len(body)) + body
 
 
-def send(sock: socket.socket, msg: tuple) -> None:
+def send(sock: socket.socket, msg: Message) -> None:
     sock.sendall(frame(msg))
 
 
@@ -57,7 +120,14 @@ def connect(address: str) -> socket.socket:
     return sock
 
 
-def recv(sock: socket.socket) -> tuple | None:
+def _message(body: bytes) -> Message:
+    msg = pickle.loads(body)
+    if not isinstance(msg, (Exec, Run, Close, Ok, Err)):
+        raise ValueError(f"a {type(msg).__name__} on a gang's channel: not a gangrun peer")
+    return msg
+
+
+def recv(sock: socket.socket) -> Message | None:
     """The next message from a blocking socket; ``None`` at end of stream."""
     head = recv_exact(sock, HEADER.size)
     if head is None:
@@ -68,7 +138,7 @@ def recv(sock: socket.socket) -> tuple | None:
     body = recv_exact(sock, n) if n else b""
     if body is None:
         return None
-    return pickle.loads(body)  # type: ignore[no-any-return]
+    return _message(body)
 
 
 class Reader:
@@ -78,9 +148,9 @@ class Reader:
         self.buf = bytearray()
         self.need: int | None = None
 
-    def feed(self, data: bytes) -> list[Any]:
+    def feed(self, data: bytes) -> list[Message]:
         self.buf += data
-        out: list[Any] = []
+        out: list[Message] = []
         while True:
             if self.need is None:
                 if len(self.buf) < HEADER.size:
@@ -94,7 +164,7 @@ class Reader:
             body = bytes(self.buf[: self.need])
             del self.buf[: self.need]
             self.need = None
-            out.append(pickle.loads(body))
+            out.append(_message(body))
 
 
 def cell_filename(cell_id: int) -> str:

@@ -1,6 +1,6 @@
 """MLflow tracking for a call, caller side (mlflow is imported lazily, only when tracking is on).
 
-Interface used by the run: ``Tracker.start(info, stdout)`` before launch (returns ``None`` when
+Interface used by the run: ``Tracker.start(info, stdout)`` (``info``: a `TrackingInfo`) before launch (returns ``None`` when
 MLflow is unavailable; raises ``LaunchError`` on bad tracking input), ``tracker.rank_env()``
 for the ranks, ``tracker.finish(status, error, logs)`` once the call is over. Only the caller
 ever ends the call's run.
@@ -28,7 +28,14 @@ from typing import Any
 from ..errors import LaunchError
 from . import lease
 from .bounded import HealthWatch, TrackingTimeout, bounded, is_server, probe
-from .plan import RunPlan, context_tags, plan_run, resolve_log_system_metrics, scalar_str
+from .plan import (
+    RunPlan,
+    TrackingInfo,
+    context_tags,
+    plan_run,
+    resolve_log_system_metrics,
+    scalar_str,
+)
 from .plan import resolve_tracking_uri as resolve_tracking_uri
 from .plan import run_link as run_link
 
@@ -66,7 +73,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ start
     @classmethod
-    def start(cls, info: dict[str, Any], stdout: Any) -> Tracker | None:
+    def start(cls, info: TrackingInfo, stdout: Any) -> Tracker | None:
         """Create (or resume) the run and print its link.
 
         Raises ``LaunchError`` for bad tracking input (a run to resume that does not exist, an
@@ -74,7 +81,7 @@ class Tracker:
         MLflow is not installed or its store cannot be used: tracking must never stop the
         training itself.
         """
-        opts = info.get("options")
+        opts = info.options
         try:
             with warnings.catch_warnings():
                 # `import mlflow` imports tqdm.auto, which warns in a kernel without ipywidgets
@@ -115,7 +122,7 @@ class Tracker:
                     plan = plan_run(opts, info, fluent, client, uri)
                     tracker = cls._open(client, plan, info, half)
                 tracker._log_params(info, plan)
-                if resolve_log_system_metrics(opts, info):
+                if resolve_log_system_metrics(opts, info.processes):
                     tracker._start_system_metrics(stdout)
                 return tracker
             except BaseException as exc:
@@ -145,17 +152,15 @@ class Tracker:
         return tracker
 
     @classmethod
-    def _open(
-        cls, client: Any, plan: RunPlan, info: dict[str, Any], half: list[Tracker]
-    ) -> Tracker:
-        opts = info.get("options")
+    def _open(cls, client: Any, plan: RunPlan, info: TrackingInfo, half: list[Tracker]) -> Tracker:
+        opts = info.options
         tags = _run_tags(info, plan.parent_run_id)
-        call_id = str(info.get("run_id"))
+        call_id = info.run_id
         tags[lease.TAG_LEASE] = lease.value(call_id)
         tags.update({str(k): str(v) for k, v in (getattr(opts, "tags", None) or {}).items()})
         resume = plan.resume_run
         if resume is None:
-            tags = {**context_tags(info.get("source")), **tags}
+            tags = {**context_tags(info.source), **tags}
             run = client.create_run(
                 experiment_id=plan.experiment_id, tags=tags, run_name=plan.run_name
             )
@@ -191,15 +196,11 @@ class Tracker:
             log.debug("experiment %s has no readable name: %s", plan.experiment_id, exc)
         return tracker
 
-    def _log_params(self, info: dict[str, Any], plan: RunPlan) -> None:
+    def _log_params(self, info: TrackingInfo, plan: RunPlan) -> None:
         from mlflow.entities import Param
 
-        params: dict[str, str] = {}
-        for key in ("function", "world_size", "processes", "gpus", "gpu_type", "timeout"):
-            v = info.get(key)
-            if v is not None:
-                params[key] = scalar_str(v)
-        for k, v in (info.get("args") or {}).items():
+        params = {k: scalar_str(v) for k, v in info.params().items()}
+        for k, v in info.args.items():
             name = k if k not in params else f"arg.{k}"
             params[name] = scalar_str(v)
         if plan.resume_run is not None:
@@ -369,17 +370,8 @@ def _note(stream: Any, line: str) -> None:
         log.info("%s (stdout unusable: %s)", line, exc)
 
 
-def _run_tags(info: dict[str, Any], parent_id: str | None) -> dict[str, str]:
-    tags = {
-        "gangrun.function": str(info.get("function")),
-        "gangrun.world_size": str(info.get("world_size")),
-        "gangrun.version": str(info.get("version")),
-        "gangrun.host": str(info.get("host")),
-        TAG_RUN_ID: str(info.get("run_id")),
-    }
-    for key in ("processes", "gpus", "gpu_type", "timeout", "backend"):
-        if info.get(key) is not None:
-            tags[f"gangrun.{key}"] = str(info[key])
+def _run_tags(info: TrackingInfo, parent_id: str | None) -> dict[str, str]:
+    tags = {**info.tags(), TAG_RUN_ID: info.run_id}
     if parent_id is not None:
         tags["mlflow.parentRunId"] = parent_id
     return tags

@@ -23,10 +23,13 @@ import shlex
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import LaunchError
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 _MAX_PARAM = 500
 _SCALARS = (int, float, str, bool, type(None))
@@ -106,6 +109,45 @@ def call_arguments(fn: Callable[..., Any], args: tuple, kwargs: Mapping[str, Any
     return {k: v for k, v in out.items() if isinstance(v, _SCALARS)}
 
 
+@dataclass(frozen=True)
+class TrackingInfo:
+    """What the MLflow run records about one call (params and tags), made once by the plan
+    (`gangrun.lifecycle.plan.tracking_info`)."""
+
+    function: str
+    world_size: int
+    run_id: str  # the gangrun call's id (the lease, gangrun.run_id)
+    options: Options | None = None  # experiment_name, run_name, run_id, tags, system metrics
+    processes: int | None = None
+    gpus: int | list[int] | None = None  # None for processes= calls
+    gpu_type: str | None = None  # the accelerator found, else the option
+    timeout: float | None = None
+    version: str = ""
+    host: str = ""
+    args: dict[str, Any] = field(default_factory=dict)  # the call's arguments, by parameter
+    source: str | None = None  # the file the call runs (gangrun run: the script)
+    backend: str | None = None  # "ray"; None on this node
+
+    def params(self) -> dict[str, Any]:
+        """The call's own MLflow params (before its arguments), ``None`` values left out."""
+        keys = ("function", "world_size", "processes", "gpus", "gpu_type", "timeout")
+        return {k: v for k in keys if (v := getattr(self, k)) is not None}
+
+    def tags(self) -> dict[str, str]:
+        """The ``gangrun.*`` tags of the run (without the parent and the lease)."""
+        tags = {
+            "gangrun.function": str(self.function),
+            "gangrun.world_size": str(self.world_size),
+            "gangrun.version": str(self.version),
+            "gangrun.host": str(self.host),
+        }
+        for key in ("processes", "gpus", "gpu_type", "timeout", "backend"):
+            value = getattr(self, key)
+            if value is not None:
+                tags[f"gangrun.{key}"] = str(value)
+        return tags
+
+
 @dataclass
 class RunPlan:
     """What `Tracker.start` will do: create a run, or resume ``resume_run``."""
@@ -183,7 +225,7 @@ def _resume_target(opts: Any, client: Any, uri: str, active: Any) -> tuple[Any, 
     return run, source
 
 
-def plan_run(opts: Any, info: Mapping[str, Any], mlflow: Any, client: Any, uri: str) -> RunPlan:
+def plan_run(opts: Any, info: TrackingInfo, mlflow: Any, client: Any, uri: str) -> RunPlan:
     """Decide experiment, parent and run for the call (raises LaunchError on bad input)."""
     active = mlflow.active_run()
     exp_name = getattr(opts, "experiment_name", None)
@@ -208,7 +250,7 @@ def plan_run(opts: Any, info: Mapping[str, Any], mlflow: Any, client: Any, uri: 
         exp_id = str(active.info.experiment_id)
     else:
         exp_id = _active_experiment(client)
-    return RunPlan(uri, exp_id, run_name or str(info.get("function")), parent_run_id=parent_id)
+    return RunPlan(uri, exp_id, run_name or info.function, parent_run_id=parent_id)
 
 
 def context_tags(source: str | None = None) -> dict[str, str]:
@@ -243,9 +285,9 @@ def context_tags(source: str | None = None) -> dict[str, str]:
     return tags
 
 
-def resolve_log_system_metrics(opts: Any, info: Mapping[str, Any]) -> bool:
+def resolve_log_system_metrics(opts: Any, processes: int | None) -> bool:
     """``log_system_metrics=None`` means on for ``gpus=`` calls, off for ``processes=``."""
-    value = getattr(opts, "log_system_metrics", info.get("log_system_metrics"))
+    value = getattr(opts, "log_system_metrics", None)
     if value is None:
-        return info.get("processes") is None
+        return processes is None
     return bool(value)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...exitcodes import signal_name
 from ...platform import signal_tree, wait_gone
-from .. import GangSpec, RankIO, RankProcess, RankSpec
+from .. import GangSpec, LostRank, RankIO, RankProcess, RankSpec
 from ..spawn import close_fds, close_write_ends
 from . import protocol as p
 from .client import ForkServer, ForkServerError, Signature, registry, startup_signature
@@ -24,10 +24,17 @@ _BROKEN = (OSError, ForkServerError, EOFError, pickle.PickleError)
 log = logging.getLogger("gangrun.launch.forkserver")
 
 
-def server_death(server: ForkServer | None) -> str:
-    """``"the fork server (pid N) died (killed by SIGKILL)"``: how its death is reported."""
+RESTART_HINT = (
+    'The next call starts a new fork server; start_method="spawn" starts ranks as fresh '
+    "interpreters instead."
+)
+
+
+def server_death(server: ForkServer | None) -> LostRank:
+    """The rank was lost with its fork server: ``"the fork server (pid N) died (killed by
+    SIGKILL)"``, no rank to blame (``lifecycle.rootcause.rank_failure`` reads it)."""
     if server is None:
-        return "the fork server died"
+        return LostRank("the fork server died", hint=RESTART_HINT)
     try:
         code = server.proc.wait(2.0)
     except Exception:  # still exiting: its channel is closed, which is all we know
@@ -36,7 +43,7 @@ def server_death(server: ForkServer | None) -> str:
     if code is not None:
         sig = signal_name(code)
         how = f" (killed by {sig})" if sig else f" (exit code {code})"
-    return f"the fork server (pid {server.pid}) died{how}"
+    return LostRank(f"the fork server (pid {server.pid}) died{how}", hint=RESTART_HINT)
 
 
 class ForkedProcess:
@@ -47,7 +54,7 @@ class ForkedProcess:
         self.pid = pid
         self._status_r = status_r
         self._server = server
-        self.lost: str | None = None  # set when the server died with this rank running
+        self.lost: LostRank | None = None  # set when the server died with this rank running
 
     def wait(self) -> int:
         data = b""
@@ -72,7 +79,7 @@ class ForkedProcess:
         signal_tree([self.pid], signal.SIGKILL)
         wait_gone(self.pid, 5.0)
         self.lost = server_death(self._server)
-        log.info("%s while rank %d (pid %d) was running", self.lost, self.rank, self.pid)
+        log.info("%s while rank %d (pid %d) was running", self.lost.why, self.rank, self.pid)
         return -signal.SIGKILL
 
     def signal(self, sig: int) -> None:

@@ -13,7 +13,7 @@ of actors on its node that are gone (each directory names its actor by pid and s
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,10 +24,11 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Any
+from typing import IO
 
 from ... import contract, platform
 from ...rundir import CONTEXT, PAYLOAD, RunDir
+from .records import ActorContext, NodeInfo, Polled, RankOutputs, Started
 from .ship import caller_paths_only, remote_paths, sees_caller_files
 from .versions import local_versions
 
@@ -92,7 +93,7 @@ class RankActor:
         self._live_w = -1
         self._janitor_w = -1
 
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         import ray
 
         from gangrun import accelerators
@@ -105,17 +106,17 @@ class RankActor:
                 names = [d.name for d in accelerators.detect()]
             except Exception:  # no NVML here: the type check has nothing to compare
                 names = []
-        return {
-            "node_id": ctx.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "hostname": os.uname().nodename,
-            "gpu_ids": gpu_ids,
-            "gpu_names": names,
-            "cpus": os.cpu_count() or 1,
-            "pid": os.getpid(),
-            "cwd": os.getcwd(),
-            "versions": local_versions(),
-        }
+        return NodeInfo(
+            node_id=str(ctx.get_node_id()),
+            ip=str(ray.util.get_node_ip_address()),
+            hostname=os.uname().nodename,
+            gpu_ids=tuple(gpu_ids),
+            gpu_names=tuple(names),
+            cpus=os.cpu_count() or 1,
+            pid=os.getpid(),
+            cwd=os.getcwd(),
+            versions=local_versions(),
+        )
 
     def free_port(self) -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -142,29 +143,29 @@ class RankActor:
             os.close(jr)
         return RunDir(self.dir)
 
-    def start(self, payload: bytes, context: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-        """Start the rank; ``{"pid", "local", "cwd"}`` (``local``: this node sees the caller's
-        files, and the rank runs in the caller's very directory)."""
+    def start(self, payload: bytes, context: ActorContext, env: dict[str, str]) -> Started:
+        """Start the rank (``local``: this node sees the caller's files, and the rank runs in
+        the caller's very directory)."""
         from ..spawn import boot_command
 
         rd = self._make_dir()
         with open(rd.payload, "wb") as f:
             f.write(payload)
-        ctx = dict(context)
-        caller_path = list(ctx.get("sys_path") or [])
-        ship = ctx.pop("ship", None) or {}
-        local = sees_caller_files(ctx.pop("caller_files", None) or {}, str(ctx.get("cwd")))
+        ctx = context.rank
+        caller_path = list(ctx.sys_path)
+        cwd = ctx.cwd
+        local = sees_caller_files(context.caller_files, cwd)
         if local:  # the caller's paths first, then this node's own (without shipped copies)
-            own = caller_paths_only(ship, sys.path)
-            ctx["sys_path"] = caller_path + [p for p in own if p not in caller_path]
+            own = caller_paths_only(context.ship, sys.path)
+            sys_path = caller_path + [p for p in own if p not in caller_path]
         else:
-            shipped_cwd, ctx["sys_path"] = remote_paths(ship, caller_path, sys.path)
+            shipped_cwd, sys_path = remote_paths(context.ship, caller_path, sys.path)
             if shipped_cwd:
-                ctx["cwd"] = shipped_cwd
-        if (context.get("use_actor_cwd") and not local) or not os.path.isdir(str(ctx.get("cwd"))):
-            ctx["cwd"] = os.getcwd()
+                cwd = shipped_cwd
+        if (context.use_actor_cwd and not local) or not os.path.isdir(cwd):
+            cwd = os.getcwd()
         with open(rd.context, "w") as f:
-            json.dump(ctx, f)
+            f.write(dataclasses.replace(ctx, sys_path=sys_path, cwd=cwd).to_json())
         full = dict(os.environ)
         full.update(env)
         full[contract.RUN_DIR] = self.dir
@@ -192,7 +193,7 @@ class RankActor:
         for kind, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
             threading.Thread(target=self._read, args=(kind, pipe), daemon=True).start()
         threading.Thread(target=self._wait, daemon=True).start()
-        return {"pid": int(self.proc.pid), "local": local, "cwd": ctx["cwd"]}
+        return Started(pid=int(self.proc.pid), local=local, cwd=cwd)
 
     def _read(self, kind: str, pipe: IO[bytes]) -> None:
         fd = pipe.fileno()
@@ -225,7 +226,7 @@ class RankActor:
             self._open == 0 or time.monotonic() - self._exited_at > 1.0
         )
 
-    def poll(self, timeout: float) -> dict[str, Any]:
+    def poll(self, timeout: float) -> Polled:
         """New output since the last poll and, once it ended and was drained, the exit code."""
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -238,23 +239,24 @@ class RankActor:
             err = b"".join(self._buf["err"])
             self._buf = {"out": [], "err": []}
             done = self._exit_ready() and not out and not err
-            return {"out": out, "err": err, "exit": self._code if done else None}
+            return Polled(out, err, self._code if done else None)
 
-    def files(self) -> dict[str, bytes]:
+    def files(self) -> RankOutputs:
         """The rank's result/error file (whichever it wrote), and its step report."""
         rd = RunDir(self.dir)
-        got: dict[str, bytes] = {}
-        for kind, path in (
-            ("result", rd.result(self.rank)),
-            ("error", rd.error(self.rank)),
-            ("progress", rd.progress(self.rank)),  # the caller's restart rules read it
-        ):
+
+        def read(path: str) -> bytes | None:
             try:
                 with open(path, "rb") as f:
-                    got[kind] = f.read()
+                    return f.read()
             except OSError:
-                continue  # the rank wrote the other one (or neither)
-        return got
+                return None  # the rank wrote the other one (or neither)
+
+        return RankOutputs(
+            result=read(rd.result(self.rank)),
+            error=read(rd.error(self.rank)),
+            progress=read(rd.progress(self.rank)),  # the caller's restart rules read it
+        )
 
     def signal(self, sig: int) -> None:
         """Signal the rank's tree; with SIGKILL also sweep this node for the run's processes."""

@@ -14,17 +14,18 @@ import importlib.util
 import os
 import pickle
 import re
-from typing import Any
 
 from ...records import ErrorRecord
+from .records import NodeInfo
 from .ship import Manifest
 
 _NO_MODULE = re.compile(r"No module named '([^']+)'")
 _NO_FILE = re.compile(r"No such file or directory: '([^']+)'")
 
 
-def node_label(info: dict[str, Any]) -> str:
-    return f"node {info.get('ip', '?')} (Ray node id {str(info.get('node_id', '?'))[:16]})"
+def node_label(info: NodeInfo | None) -> str:
+    """How errors name a node (``node ? (Ray node id ?)`` when it is not known)."""
+    return info.label() if info is not None else "node ? (Ray node id ?)"
 
 
 def _exception(rec: ErrorRecord) -> BaseException | None:
@@ -73,7 +74,7 @@ def _why(path: str, manifest: Manifest | None, shipping: bool) -> str:
 
 def explain(
     rec: ErrorRecord,
-    info: dict[str, Any],
+    info: NodeInfo | None,
     manifest: Manifest | None,
     shipping: bool,
     caller_cwd: str,

@@ -10,6 +10,7 @@ from ... import contract
 from ...errors import LaunchError
 from ...options import RAY_STRATEGIES as STRATEGIES  # noqa: F401 (launch.ray exports it)
 from .. import GangSpec, RankSpec, RayPlacement
+from .records import NodeInfo
 
 # Per-node variables the actor computes (the caller's values mean nothing on another node).
 _NODE_LOCAL = ("CUDA_VISIBLE_DEVICES",)
@@ -83,22 +84,22 @@ def reserve(ray: Any, placement: RayPlacement, n: int) -> Any:
     return pg
 
 
-def check_gpu_type(want: str | None, nodes: dict[int, dict[str, Any]]) -> None:
+def check_gpu_type(want: str | None, nodes: dict[int, NodeInfo]) -> None:
     if not want:
         return
     from ... import accelerators
 
     for r, info in nodes.items():
-        for name in info.get("gpu_names") or []:
+        for name in info.gpu_names:
             if not accelerators.matches_type(name, want):
                 raise LaunchError(
                     f"gpu_type={want!r} does not match the accelerator {name!r} that Ray "
-                    f"gave rank {r} on node {info['ip']}."
+                    f"gave rank {r} on node {info.ip}."
                 )
 
 
 def node_envs(
-    ranks: list[RankSpec], nodes: dict[int, dict[str, Any]], port: int, user_omp: bool
+    ranks: list[RankSpec], nodes: dict[int, NodeInfo], port: int, user_omp: bool
 ) -> dict[int, dict[str, str]]:
     """Each rank's environment from the bundle -> node mapping: ``NODE_RANK`` (rank 0's node
     is node 0, the others in order of their lowest rank), ``LOCAL_RANK`` within the node,
@@ -107,17 +108,17 @@ def node_envs(
     order: list[str] = []
     local: dict[str, list[int]] = {}
     for rs in sorted(ranks, key=lambda r: r.rank):
-        node = nodes[rs.rank]["node_id"]
+        node = nodes[rs.rank].node_id
         if node not in local:
             order.append(node)
             local[node] = []
         local[node].append(rs.rank)
-    master = nodes[0]["ip"]
+    master = nodes[0].ip
     envs: dict[int, dict[str, str]] = {}
     for rs in ranks:
         r = rs.rank
         info = nodes[r]
-        node = info["node_id"]
+        node = info.node_id
         peers = local[node]
         env = {k: v for k, v in rs.env.items() if k not in _NODE_LOCAL}
         env.update(
@@ -130,12 +131,12 @@ def node_envs(
                 "MASTER_ADDR": master,
                 "MASTER_PORT": str(port),
                 contract.RAY_NODE_ID: node,
-                contract.RAY_NODE_IP: info["ip"],
+                contract.RAY_NODE_IP: info.ip,
             }
         )
         if not user_omp:
-            env["OMP_NUM_THREADS"] = str(max(1, int(info["cpus"]) // len(peers)))
-        gpus = [g for p in peers for g in nodes[p]["gpu_ids"]]
+            env["OMP_NUM_THREADS"] = str(max(1, info.cpus // len(peers)))
+        gpus = [g for p in peers for g in nodes[p].gpu_ids]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         envs[r] = env

@@ -9,26 +9,43 @@ error file back into the caller's run directory before its exit is reported.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from ... import serialization
 from ...errors import LaunchError
-from ...records import ErrorRecord
+from ...records import ErrorRecord, RankContext
 from ...rundir import RunDir
-from .. import GangSpec, RankIO, RankProcess, RankSpec
+from .. import GangSpec, LostRank, RankIO, RankProcess, RankSpec
 from ..spawn import close_write_ends
 from . import diagnose, ship, versions
 from .actor import RankActor
 from .placement import check_gpu_type, node_envs, placement_of, ray_module, reserve
+from .records import ActorContext, NodeInfo, Polled, RankOutputs, Started
 
 log = logging.getLogger("gangrun.launch.ray")
 POLL_S = 2.0  # an idle rank's poll returns this often; output and exits return at once
+
+
+def lost_actor(rank: int, nodes: dict[int, NodeInfo], exc: BaseException | None) -> LostRank:
+    """The actor running ``rank`` is gone (its node died, it was killed): what the caller's
+    error says of it, naming the node and every rank that ran there
+    (`lifecycle.rootcause.rank_failure` makes it the rank's failure; the restart rules treat
+    ``ray.*`` as transient)."""
+    info = nodes.get(rank)
+    node = info.node_id if info is not None else "?"
+    on_node = sorted(r for r, i in nodes.items() if i.node_id == node)
+    what = type(exc).__name__ if exc is not None else "ActorDiedError"
+    msg = (
+        f"the Ray actor running rank {rank} on node {info.ip if info else '?'} "
+        f"({str(node)[:12]}) was lost: ranks {on_node} ran on that node. "
+        "The node may have died or been removed, or the actor was killed."
+    )
+    log.info("%s", msg)
+    return LostRank(msg, exc_type=f"ray.{what}", detail=f"{msg}\n\nRay said: {exc}", launcher=False)
 
 
 class RayProcess:
@@ -39,6 +56,7 @@ class RayProcess:
         self.rank = rank
         self.pid = pid
         self.out_w, self.err_w = io.out_w, io.err_w  # ours until the rank ended
+        self.lost: LostRank | None = None  # set when the actor (or its node) was lost
 
     def signal(self, sig: int) -> None:
         if sig in (signal.SIGTERM, signal.SIGKILL):  # the gang is being stopped
@@ -57,25 +75,28 @@ class RayProcess:
         lost: BaseException | None = None
         try:
             while True:
-                res = ray.get(actor.poll.remote(POLL_S), timeout=POLL_S + 60)
-                for fd, data in ((self.out_w, res["out"]), (self.err_w, res["err"])):
+                res: Polled = ray.get(actor.poll.remote(POLL_S), timeout=POLL_S + 60)
+                for fd, data in ((self.out_w, res.out), (self.err_w, res.err)):
                     if data:
                         _write_all(fd, data)
-                if res["exit"] is not None:
-                    code = int(res["exit"])
+                if res.exit is not None:
+                    code = int(res.exit)
                     break
         except Exception as exc:  # RayError, a timeout: the actor (or its node) is lost
             lost = exc
         if code is not None:
             try:
-                files = ray.get(actor.files.remote(), timeout=120)
+                files: RankOutputs = ray.get(actor.files.remote(), timeout=120)
                 rd = RunDir(self.spawner.run_dir)
-                paths = {"result": rd.result, "error": rd.error, "progress": rd.progress}
-                for kind, data in files.items():
-                    path = paths[kind](self.rank)
-                    _write_file(path, data)
-                    if kind == "error":
-                        self.spawner.explain(self.rank, path)
+                for blob, path in (
+                    (files.result, rd.result(self.rank)),
+                    (files.error, rd.error(self.rank)),
+                    (files.progress, rd.progress(self.rank)),
+                ):
+                    if blob is not None:
+                        _write_file(path, blob)
+                if files.error is not None:
+                    self.spawner.explain(self.rank, rd.error(self.rank))
             except Exception as exc:
                 if code == 0:
                     lost, code = exc, None
@@ -87,44 +108,19 @@ class RayProcess:
         if code is None:
             if self.spawner.stopping:
                 return -signal.SIGKILL
-            self._write_lost(lost)
+            self.lost = lost_actor(self.rank, self.spawner.nodes, lost)
             return 1
         return code
 
     def _name_node(self, code: int) -> None:
         """A rank on another node that ended badly: say where, in its output (and so in
         the log tail the caller's error shows, for deaths without a Python exception)."""
-        st = self.spawner.started.get(self.rank) or {}
-        if st.get("local", True):
+        st = self.spawner.started.get(self.rank)
+        if st is None or st.local:
             return
-        info = self.spawner.nodes.get(self.rank, {})
+        info = self.spawner.nodes.get(self.rank)
         note = f"gangrun: rank {self.rank} (exit {code}) ran on {diagnose.node_label(info)}\n"
         _write_all(self.err_w, note.encode())
-
-    def _write_lost(self, exc: BaseException | None) -> None:
-        nodes = self.spawner.nodes
-        info = nodes.get(self.rank, {})
-        node = info.get("node_id", "?")
-        on_node = sorted(r for r, i in nodes.items() if i.get("node_id") == node)
-        what = type(exc).__name__ if exc is not None else "ActorDiedError"
-        msg = (
-            f"the Ray actor running rank {self.rank} on node {info.get('ip', '?')} "
-            f"({str(node)[:12]}) was lost: ranks {on_node} ran on that node. "
-            "The node may have died or been removed, or the actor was killed."
-        )
-        record = {
-            "rank": self.rank,
-            "exc_type": f"ray.{what}",
-            "message": msg,
-            "traceback": f"{msg}\n\nRay said: {exc}",
-            "exc": None,
-            "time": time.time(),
-            "pid": self.pid,
-        }
-        try:
-            serialization.atomic_dump(record, RunDir(self.spawner.run_dir).error(self.rank))
-        except Exception as err:  # the run directory is gone: the exit code still tells
-            log.warning("could not record rank %d's loss: %s", self.rank, err)
 
 
 class RaySpawner:
@@ -134,12 +130,12 @@ class RaySpawner:
         self.ray = ray_module()
         self.placement = placement_of(spec)
         self.run_dir = spec.run_dir
-        self.nodes: dict[int, dict[str, Any]] = {}
+        self.nodes: dict[int, NodeInfo] = {}
         self.actors: dict[int, Any] = {}
         self.pg: Any = None
         self.stopping = False
         self.manifest: ship.Manifest | None = None
-        self.started: dict[int, dict[str, Any]] = {}
+        self.started: dict[int, Started] = {}
         self.caller_cwd = ""
 
     def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
@@ -157,13 +153,15 @@ class RaySpawner:
             self.release(0.0)
             raise
 
-    def _ship(self, context: dict[str, Any], payload: bytes, runtime_env: dict[str, Any]) -> None:
+    def _ship(
+        self, context: RankContext, payload: bytes, runtime_env: dict[str, Any]
+    ) -> dict[str, Any]:
         """Ship the caller's files the ranks may need (`ship`); sets the actors'
-        ``py_modules`` and the context the actors map paths with."""
+        ``py_modules``; the map the actors translate paths with (``{}``: nothing shipped)."""
         opts = self.placement.shipping
         if opts is None or not opts.ship:
-            return
-        cwd, sys_path = str(context["cwd"]), list(context.get("sys_path") or [])
+            return {}
+        cwd, sys_path = context.cwd, list(context.sys_path)
         extra = [os.path.abspath(os.path.expanduser(p)) for p in opts.paths]
         for p in extra:
             if not os.path.isdir(p):
@@ -178,7 +176,7 @@ class RaySpawner:
             mods = list(runtime_env.get("py_modules") or [])
             runtime_env["py_modules"] = mods + [r.uri for r in manifest.roots]
         self.manifest = manifest
-        context["ship"] = manifest.context()
+        return manifest.context()
 
     def _start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -189,11 +187,16 @@ class RaySpawner:
         with open(rd.payload, "rb") as f:
             payload_bytes = f.read()
         with open(rd.context) as f:
-            context = json.load(f)
+            rank_context = RankContext.from_json(f.read())
         runtime_env = dict(pl.runtime_env or {})
-        self._ship(context, payload_bytes, runtime_env)
-        self.caller_cwd = str(context["cwd"])
-        context["caller_files"] = ship.files_identity(self.caller_cwd)
+        shipped = self._ship(rank_context, payload_bytes, runtime_env)
+        self.caller_cwd = rank_context.cwd
+        context = ActorContext(
+            rank=rank_context,
+            ship=shipped,
+            caller_files=ship.files_identity(self.caller_cwd),
+            use_actor_cwd="working_dir" in runtime_env,
+        )
         self.pg = reserve(ray, pl, n)
         actor_cls = ray.remote(RankActor)
         for r in range(n):
@@ -218,34 +221,32 @@ class RaySpawner:
         port = int(ray.get(self.actors[0].free_port.remote(), timeout=60))
         envs = node_envs([r for r, _ in ranks], self.nodes, port, pl.user_omp)
         payload = ray.put(payload_bytes)  # once in the object store, not once per rank
-        context["use_actor_cwd"] = "working_dir" in runtime_env
         started = ray.get(
             [self.actors[r].start.remote(payload, context, envs[r]) for r in range(n)],
             timeout=wait,
         )
         self.started = dict(enumerate(started))
         return [
-            RayProcess(self, r.rank, int(st["pid"]), io)
-            for (r, io), st in zip(ranks, started, strict=True)
+            RayProcess(self, r.rank, st.pid, io) for (r, io), st in zip(ranks, started, strict=True)
         ]
 
     def explain(self, rank: int, path: str) -> None:
         """Rewrite a remote rank's error record to name its node and the fix (`diagnose`)."""
-        st = self.started.get(rank) or {}
-        if st.get("local", True):
+        st = self.started.get(rank)
+        if st is None or st.local:
             return
         try:
-            rec = ErrorRecord.coerce(serialization.load_path(path))
-            if rec is None:
+            rec = serialization.load_path(path)
+            if not isinstance(rec, ErrorRecord):
                 return
             shipping = self.placement.shipping is not None and self.placement.shipping.ship
             rec = diagnose.explain(
                 rec,
-                self.nodes.get(rank, {}),
+                self.nodes.get(rank),
                 self.manifest,
                 shipping,
                 self.caller_cwd,
-                str(st.get("cwd") or ""),
+                st.cwd,
             )
             serialization.atomic_dump(rec, path)
         except Exception as exc:  # the plain record is still the rank's error

@@ -13,9 +13,13 @@ import importlib.metadata as md
 import re
 import sys
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ...errors import LaunchError
+
+if TYPE_CHECKING:
+    from .records import NodeInfo
 
 CHECKED = ("python", "gangrun", "torch")
 
@@ -49,7 +53,7 @@ def compare(mine: str | None, theirs: str | None) -> str:
     return "patch" if (a, ta) != (b, tb) else "same"
 
 
-def check(nodes: dict[int, dict[str, Any]], mine: dict[str, str | None] | None = None) -> None:
+def check(nodes: Mapping[int, NodeInfo], mine: dict[str, str | None] | None = None) -> None:
     """Raise for a major/minor mismatch on any node, warn for patch-level differences."""
     mine = local_versions() if mine is None else mine
     errors: list[str] = []
@@ -57,10 +61,10 @@ def check(nodes: dict[int, dict[str, Any]], mine: dict[str, str | None] | None =
     seen: set[tuple[str, str]] = set()
     for r in sorted(nodes):
         info = nodes[r]
-        theirs = info.get("versions") or {}
-        node = f"node {info.get('ip', '?')} (Ray node id {str(info.get('node_id', '?'))[:16]})"
+        theirs = info.versions
+        node = info.label()
         for name in CHECKED:
-            key = (str(info.get("node_id")), name)
+            key = (info.node_id, name)
             if key in seen:
                 continue
             seen.add(key)
