@@ -19,7 +19,7 @@ from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import STRATEGIES, connect, fmt_resources
 from ..options import Options
-from .plan import Plan, function_name
+from .plan import Plan
 
 # Caller variables shipped to remote ranks even though gangrun did not set them; the rest of
 # the caller's environment (PATH, HOME, virtualenv...) belongs to the caller's machine.
@@ -62,9 +62,7 @@ def _knob(opts: Options, name: str, default: str | None = None) -> str | None:
 
 def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]:
     """Size the world on the cluster and decide the placement (raises ``LaunchError``)."""
-    import uuid
-
-    plan = Plan(uuid.uuid4().hex[:12], function_name(fn), 0, backend="ray")
+    plan = Plan(0, backend="ray")
     ray = connect(opts.address)
     total = ray.cluster_resources()
     if opts.processes is not None:
