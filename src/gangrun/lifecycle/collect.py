@@ -14,8 +14,7 @@ from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
 from ..rundir import RunDir
 from .rootcause import Candidate, build_error, exit_failed, failure_of, is_peer_echo, pick
-from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, RankExited
-from .state import State
+from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, RankExited, State
 
 if TYPE_CHECKING:
     from ..hang import HangGuard

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from .. import serialization
-from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..launch import Gang, GangSpec, RankExit, open_gang
 from ..options import Options
 from ..records import RankContext
@@ -59,7 +58,6 @@ from .watch import watching
 
 if TYPE_CHECKING:
     from ..accelerators import Accelerator
-    from ..hang import HangGuard
     from ..output import OutputPump
     from ..reservation import Reservation
     from ..tracking.caller import Tracker
