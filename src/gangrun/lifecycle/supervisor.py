@@ -1,8 +1,8 @@
 """The supervisor of one call: acquires, launches, watches, restarts, collects, tears down.
 
 It owns what it acquired (GPU reservation, run directory, the MLflow run, the gang and its
-output pump) and releases all of it on ONE path, `_finish`, for a
-partial start, an interrupt, a failure and a normal end alike. A monitor thread waits on the
+output pump) and releases all of it on ONE path, `_end`, for a partial start, an
+interrupt, a failure and a normal end alike. A monitor thread waits on the
 call's event queue, which carries the gang's rank exits and the lifecycle's own events
 (cancel); the deadline and the hang guard are the queue wait's timeout (no polling on the
 exit path: a failure is seen as soon as its waiter thread reports it).
@@ -230,8 +230,9 @@ class Supervisor:
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
-        """Plan, acquire, launch the first attempt and start the monitor. Raises (after
-        releasing everything acquired) when the call cannot start."""
+        """Acquire, launch the first attempt and start the monitor (the call was planned when
+        the supervisor was made). Raises (after releasing everything acquired) when the call
+        cannot start."""
         self._started = time.monotonic()
         try:
             self._acquire()
