@@ -192,3 +192,24 @@ def test_observers_composite_dispatches_typed_hooks():
     group.on_rank_exit(1, -9, True)
     group.on_rank_line(0, "x")
     assert seen.events == [("exit", 1, -9, True), ("line", 0, "x")]
+
+
+def test_the_notebook_panel_is_an_observer_of_the_call(monkeypatch):
+    """The panel implements the lifecycle's protocol itself: handed over at construction, it
+    draws "starting", then the end (ranks, status) from the hooks alone."""
+    import IPython.display
+
+    from gangrun.notebook.panel import Panel
+
+    shown: list[dict] = []
+    monkeypatch.setattr(IPython.display, "display", lambda b, **kw: shown.append(b))
+    panel = Panel(shell=None, parent=None, refresh_s=60.0)
+    sup = call(lambda g: (g.ret(0, "a"), g.fail(1, "boom")), observers=[panel])
+    assert isinstance(sup.outcome.error, DistributedError)
+    assert len(shown) >= 2 and "starting 2 ranks" in shown[0]["text/html"]
+    assert panel.renders == len(shown)
+    last = shown[-1]["text/html"]
+    assert 'data-final="FAILED"' in last and "ValueError: boom" in last
+    assert 'data-rank="0" data-state="finished"' in last
+    assert 'data-rank="1" data-state="failed"' in last
+    assert sup.call.fn_name in shown[-1]["text/plain"]

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..lifecycle.observers import CallView, Observer
 from ..lifecycle.state import State
@@ -23,6 +23,9 @@ from ..progress_view import Progress
 from .html import MAX_SERIES, Series, render_panel, svg_chart
 from .routing import parent_of
 from .state import CallSnapshot, CallState
+
+if TYPE_CHECKING:
+    from .resumed import ResumeWatch
 
 log = logging.getLogger("gangrun.notebook")
 
@@ -83,7 +86,7 @@ class Panel(Observer):
         self.renders = 0
         self._run: CallView | None = None  # the call, from on_plan
         self._state: CallState | None = None
-        self._resume: Any = None  # "resumed from step N" from the step reports (resumed.py)
+        self._resume: ResumeWatch | None = None  # "resumed from step N" (its step reports)
         self._tracked = False
         self._snap: CallSnapshot | None = None
         self._shown = False
@@ -111,9 +114,11 @@ class Panel(Observer):
                 self._tracked = True
                 cs.tracking(tracker.run_id, tracker.tracking_uri, tracker.experiment_id)
             cs.attempt_started(run.attempt)
-            self._resume.start()
+            if self._resume is not None:
+                self._resume.start()
         elif state.terminal:
-            self._resume.stop()
+            if self._resume is not None:
+                self._resume.stop()
             run.watch.freeze()  # the final draw shows the last step reports, not a cached read
             cs.ended(run.outcome.mlflow_status or "FAILED", run.outcome.error)
 
