@@ -149,6 +149,7 @@ def panel_costs(reps: int) -> dict[str, list[float]]:
     8 ranks' step reports and draw the panel of 8 ranks; per metrics read (every 2.5 s) draw
     the grid of 12 charts of 2 ranks x 1000 steps each."""
     import tempfile as _tf
+    import types
 
     from gangrun.lifecycle.watch import ProgressTracker
     from gangrun.notebook.html import render_panel, svg_chart
@@ -164,8 +165,9 @@ def panel_costs(reps: int) -> dict[str, list[float]]:
             progress.report_step(100, 1000)
             progress.flush()
         tracker = ProgressTracker(8)
-        st = CallState("train", "r", 0)
-        st.starting(8)
+        call = types.SimpleNamespace(fn_name="train", run_id="r", world_size=8, max_restarts=0)
+        st = CallState(call)  # the panel reads the call's record: its identity, its world
+        st.starting()
         st.attempt_started(0)
         series = {
             f"metric{m:02d}": [(float(s), 1.0 / (s + 1) + r) for s in range(1000) for r in (0, 1)]

@@ -183,8 +183,8 @@ class DistributedFunction(Generic[P, R]):
         checks.refuse_nested()  # inside a rank: fail there, start no inner gang
         checks.bind_arguments(self._fn, args, kwargs)  # a misspelled argument: no rank starts
         opts = self._options.validate()
-        run = Supervisor(self._fn, args, kwargs, opts)
-        session.attach(run, opts)  # in a kernel: output to this cell, the live panel
+        # planned here (bad settings: LaunchError); in a kernel: output to this cell, the panel
+        run = Supervisor(self._fn, args, kwargs, opts, **session.wiring(opts))
         try:
             run.start()
             return RunHandle(run)

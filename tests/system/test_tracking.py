@@ -202,6 +202,59 @@ def test_cancel_marks_the_run_killed(store):
     }
 
 
+@pytest.mark.slow
+def test_observers_given_keep_the_mlflow_run(store):
+    """Observers handed to a call are added to the built-in ones (issue 23): the MLflow run is
+    still created, reached by both real ranks, and ended FINISHED with their logs."""
+    import io
+
+    from gangrun.api import Options
+    from gangrun.lifecycle import State, Supervisor
+    from gangrun.lifecycle.observers import Observer
+
+    class Seen(Observer):
+        def __init__(self):
+            self.states, self.exits, self.tracked = [], [], None
+
+        def on_transition(self, state, run):
+            self.states.append(state)
+            if state is State.RUNNING:
+                self.tracked = run.tracker.run_id
+
+        def on_rank_exit(self, rank, exitcode, stopped):
+            self.exits.append((rank, exitcode))
+
+    def logs_a_metric() -> int:  # by value (importing this module in a rank would not do)
+        import os
+
+        import mlflow
+
+        rank = int(os.environ["RANK"])
+        mlflow.log_metric(f"rank{rank}/seen", 1.0, step=0)  # lands on the call's run
+        return rank
+
+    seen, out = Seen(), io.StringIO()
+    opts = Options(processes=2, timeout=60, mlflow=True).validate()
+    sup = Supervisor(logs_a_metric, (), {}, opts, stdout=out, observers=[seen])
+    try:
+        sup.start()
+        assert sup.wait(60) and sup.result() == [0, 1]
+        run_id = sup.mlflow_run_id
+        assert run_id and seen.tracked == run_id
+        assert f"gangrun: MLflow run {run_id}" in out.getvalue()
+        run = store.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.info.experiment_id == store.experiment_id
+        assert run.data.metrics == {"rank0/seen": 1.0, "rank1/seen": 1.0}
+        assert {a.path for a in store.list_artifacts(run_id, "logs")} == {
+            "logs/rank-0.log",
+            "logs/rank-1.log",
+        }
+        assert seen.states[-1] is State.SUCCEEDED and sorted(seen.exits) == [(0, 0), (1, 0)]
+    finally:
+        sup.cancel(wait=30)
+        sup.release()
+
+
 def test_mlflow_false_creates_nothing(tmp_path, monkeypatch, capsys):
     db = tmp_path / "mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")

@@ -326,7 +326,9 @@ def test_control_socket_refuses_a_peer_of_another_uid():
     tmp_path = tempfile.mkdtemp(prefix="gangrun-peer-test-", dir="/tmp")  # reachable by 65534
     cancelled: list = []
     run = types.SimpleNamespace(
-        run_dir=str(tmp_path), run_id="fake", cancel=lambda *a, **k: cancelled.append(a)
+        run_dir=str(tmp_path),
+        call=types.SimpleNamespace(run_id="fake"),
+        cancel=lambda *a, **k: cancelled.append(a),
     )
     obs = ControlObserver(run)
     obs._serve()

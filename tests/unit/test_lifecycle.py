@@ -27,7 +27,7 @@ from gangrun.errors import (
     LaunchError,
 )
 from gangrun.launch import GangSpec, RankExit
-from gangrun.lifecycle.observers import CallInfo, Observer
+from gangrun.lifecycle.observers import CallView, Observer
 from gangrun.lifecycle.plan import Plan
 from gangrun.lifecycle.policy import Decision, RestartPolicy
 from gangrun.lifecycle.state import IllegalTransition, Outcome, State, StateMachine
@@ -107,7 +107,7 @@ class Recorder(Observer):
     def __init__(self) -> None:
         self.states: list[State] = []
 
-    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+    def on_transition(self, state: State, run: CallView) -> None:
         self.states.append(state)
 
 
@@ -137,9 +137,9 @@ def call(*scripts: Script, n: int = 2, observers=None, **opts) -> Supervisor:
         stdout=io.StringIO(),
         stderr=io.StringIO(),
         gang_factory=factory,  # type: ignore[arg-type]
-        planner=lambda f, opts: (Plan("fakerun", "fn", n), None),
+        planner=lambda f, opts: (Plan(n), None),
         pump_factory=lambda *a: FakePump(),
-        observers=observers,
+        observers=observers or (),
     )
     sup.gangs = attempts  # type: ignore[attr-defined]
     sup.start()
@@ -215,7 +215,7 @@ def test_restart_then_success_prints_a_notice():
     states = [a.state for a in sup.outcome.attempts]
     assert states == [State.FAILED, State.SUCCEEDED]
     assert sup.outcome.attempts[0].failures[1].message == "flaky"
-    assert "Restarting the gang (restart 1/2)" in sup.stderr.getvalue()  # type: ignore[attr-defined]
+    assert "Restarting the gang (restart 1/2)" in sup.call.stderr.getvalue()  # type: ignore[attr-defined]
 
 
 def test_restarts_exhausted():
@@ -241,7 +241,7 @@ def test_cancel_travels_as_an_event():
 
     sup = Supervisor(
         fn, (), {}, o, stderr=io.StringIO(), gang_factory=factory,
-        planner=lambda f, opts: (Plan("fakerun", "fn", 2), None),
+        planner=lambda f, opts: (Plan(2), None),
         pump_factory=lambda *a: FakePump(),
     )  # fmt: skip
     sup.start()
@@ -277,7 +277,7 @@ def test_launch_failure_releases_everything():
     sup = Supervisor(
         fn, (), {}, o, stderr=io.StringIO(),
         gang_factory=lambda s, p, e: made.append(FakeGang(s, e, boom, 0)) or made[-1],
-        planner=lambda f, opts: (Plan("fakerun", "fn", 2), None),
+        planner=lambda f, opts: (Plan(2), None),
         pump_factory=lambda *a: FakePump(),
     )  # fmt: skip
     with pytest.raises(LaunchError):
@@ -289,7 +289,7 @@ def test_launch_failure_releases_everything():
 
 def test_observer_that_raises_does_not_change_the_outcome():
     class Broken(Observer):
-        def on_transition(self, state, outcome, call):
+        def on_transition(self, state, run):
             raise RuntimeError("observer bug")
 
     assert call(both_return, observers=[Broken()]).result() == ["a", "b"]

@@ -15,7 +15,7 @@ import pytest
 from gangrun import checks
 from gangrun.errors import DistributedError, LaunchError
 from gangrun.notebook import html, routing
-from gangrun.notebook.state import CallState
+from gangrun.notebook.state import CallState, RankState
 from gangrun.rank import source
 
 
@@ -123,30 +123,27 @@ def test_importable_functions_travel_without_sources():
 
 
 # -- html ------------------------------------------------------------------------------------
+def _call(fn_name="train", run_id="r1", world_size=2, max_restarts=0):
+    """What the panel reads of the call's record (`CallIdentity`)."""
+    return types.SimpleNamespace(
+        fn_name=fn_name, run_id=run_id, world_size=world_size, max_restarts=max_restarts
+    )
+
+
 def _state() -> CallState:
     seen: list = []
-
-    class Obs:
-        def on_start(self, s):
-            seen.append(("start", s))
-
-        def on_update(self, s):
-            seen.append(("update", s))
-
-        def on_end(self, s):
-            seen.append(("end", s))
-
-    st = CallState("train<x>", "run1", max_restarts=1, observers=[Obs()])
+    st = CallState(_call("train<x>", "run1", max_restarts=1), seen.append)
     st.seen = seen  # type: ignore[attr-defined]
     return st
 
 
-def test_state_transitions_reach_observers_and_freeze():
+def test_state_changes_reach_the_callback_and_freeze():
     st = _state()
     st.ended("FAILED")  # before start: nothing to freeze
     assert st.seen == []  # type: ignore[attr-defined]
-    st.starting(2)
+    st.starting()
     assert st.snapshot.message == "starting 2 ranks…"
+    assert st.snapshot.run_id == "run1" and st.snapshot.world_size == 2  # read, not copied
     st.tracking("a" * 32, "sqlite:////x.db", "0")
     st.attempt_started(0)
     st.rank_line(0, "loss <b>1.0</b>\n")
@@ -159,13 +156,15 @@ def test_state_transitions_reach_observers_and_freeze():
     assert snap.final == "FAILED" and snap.ranks[1].state == "failed"
     assert snap.ranks[0].state == "stopped" and snap.ranks[0].last_line == "loss <b>1.0</b>"
     assert snap.ranks[1].signal == "SIGKILL"
-    kinds = [k for k, _ in st.seen]  # type: ignore[attr-defined]
-    assert kinds[0] == "start" and kinds[-1] == "end" and "update" in kinds
+    seen = st.seen  # type: ignore[attr-defined]
+    assert seen[0].message == "starting 2 ranks…" and seen[-1].final == "FAILED"
+    assert all(s.final is None for s in seen[:-1]) and seen[-1] is snap
+    assert snap.ranks[1].state is RankState.FAILED and f"{snap.ranks[1].state}" == "failed"
 
 
 def test_panel_html_escapes_and_holds_rows_and_chart():
     st = _state()
-    st.starting(2)
+    st.starting()
     st.tracking("b" * 32, "http://127.0.0.1:5000", "7")
     st.attempt_started(0)
     st.rank_line(0, "<script>alert(1)</script>")
@@ -185,8 +184,8 @@ def test_panel_shows_the_attempt_and_the_resumed_step(tmp_path):
 
     from gangrun.notebook.resumed import ResumeWatch
 
-    st = CallState("train", "r1", max_restarts=3)
-    st.starting(2)
+    st = CallState(_call(max_restarts=3))
+    st.starting()
     st.attempt_started(1)
     run = types.SimpleNamespace(run_dir=str(tmp_path), world_size=2)
     watch = ResumeWatch(st, run)
@@ -203,8 +202,8 @@ def test_panel_shows_the_attempt_and_the_resumed_step(tmp_path):
     assert "attempt 2/4, resumed from step 1200" in html.render_panel(st.snapshot)
     st.attempt_started(2)  # the next attempt: not resumed until it reports
     assert st.snapshot.resumed_from is None
-    solo = CallState("train", "r2")
-    solo.starting(1)
+    solo = CallState(_call(run_id="r2", world_size=1))
+    solo.starting()
     solo.attempt_started(0)
     solo.resumed(7)
     assert " · resumed from step 7" in html.render_panel(solo.snapshot)

@@ -135,7 +135,7 @@ def test_back_off_is_observed_between_attempts():
     gaps = [a[i + 1].started - a[i].ended for i in range(2)]
     assert gaps[0] >= 0.3 and gaps[1] >= 0.6
     assert a[0].last_step == 4 and a[0].resumed_from is None
-    assert "(restart 2/3) in 0.6s" in sup.stderr.getvalue()  # type: ignore[attr-defined]
+    assert "(restart 2/3) in 0.6s" in sup.call.stderr.getvalue()  # type: ignore[attr-defined]
     rows = json.loads(attempts_json(a))["attempts"]
     assert [r["attempt"] for r in rows] == [1, 2, 3]
     assert rows[0]["failure"]["rank"] == 1 and rows[0]["failure"]["signal"] == "SIGKILL"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import types
 
 import pytest
 
@@ -107,8 +108,9 @@ def test_grid_one_chart_per_metric_own_axes_band_and_cap():
 
 
 def test_panel_shows_progress_slow_and_silent_marks():
-    st = CallState("train", "r1")
-    st.starting(2)
+    call = types.SimpleNamespace(fn_name="train", run_id="r1", world_size=2, max_restarts=0)
+    st = CallState(call)
+    st.starting()
     st.attempt_started(0)
     p = Progress(
         step=40,

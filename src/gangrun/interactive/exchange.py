@@ -63,7 +63,7 @@ class Exchanges:
         try:
             handle = self._check_usable()
             # in a kernel: this execution's output belongs to the cell running it now
-            for stream in (handle._run.stdout, handle._run.stderr):
+            for stream in (handle._run.call.stdout, handle._run.call.stderr):
                 retarget = getattr(stream, "retarget", None)
                 if retarget is not None:
                     retarget()

@@ -35,11 +35,14 @@ _MAX_MESSAGE = 1000
 
 
 class CallInfo(Protocol):
-    """What `Restarts` reads of the call (``observers.CallInfo``)."""
+    """What `Restarts` reads of the call (its supervisor)."""
 
-    run_id: str
-    fn_name: str
-    attempt: int  # 0: the first attempt
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def fn_name(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...  # 0: the first attempt
 
 
 def facts_of(attempt: Attempt, reports: dict[int, progress.StepReport]) -> AttemptFacts:

@@ -1,19 +1,24 @@
 """What an attempt's ranks left in the run directory: results, error records, and from them
-whether an exit is a failure, the root cause, and the per-rank results."""
+whether an exit is a failure, the root cause, the per-rank results, and the ended attempt's
+record."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import diskspace, security
-from ..errors import DistributedError
+from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
 from ..rundir import RunDir
 from .rootcause import Candidate, build_error, is_peer_echo, pick, rank_failure
+from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, RankExited, State
+
+if TYPE_CHECKING:
+    from .hang import HangGuard
 
 log = logging.getLogger("gangrun.lifecycle.collect")
 
@@ -124,6 +129,44 @@ class RankFiles:
         )
         own = {r: f for r, f in failures.items() if r not in lost}
         return DistributedError(msg, run_id=self.run_id, failures=own)
+
+    def ended(
+        self,
+        number: int,
+        ending: Event | None,
+        exits: dict[int, RankExit],
+        teardown_at: float,
+        pids: dict[int, int],
+        guard: HangGuard | None,
+    ) -> tuple[Attempt, list[Any] | None]:
+        """Attempt ``number``'s record from what ended it (``None``: every rank exited), and
+        the per-rank results when it succeeded."""
+        name, n, run_id = self.fn_name, self.world_size, self.run_id
+        if isinstance(ending, CancelRequested):
+            err: DistributedError = DistributedCancelledError(
+                f"{name} was {ending.reason}; all {n} ranks were stopped.", run_id=run_id
+            )
+            return Attempt(number, State.CANCELLED, err), None
+        if isinstance(ending, DeadlineReached):
+            err = DistributedTimeoutError(
+                f"{name} did not finish within timeout={ending.timeout:g}s; all {n} ranks "
+                "were stopped.",
+                run_id=run_id,
+            )
+            return Attempt(number, State.TIMED_OUT, err), None
+        if isinstance(ending, HangDetected):
+            assert guard is not None  # only the guard detects hangs
+            err = guard.error(name, run_id, self.rundir.logs)
+            return Attempt(number, State.HUNG, err), None
+        if isinstance(ending, RankExited):
+            err = self.root_cause(exits, ending.exit, teardown_at, pids)
+            return Attempt(number, State.FAILED, err, dict(err.failures)), None
+        try:
+            results = self.collect()
+        except DistributedError as exc:
+            ended = State.CANCELLED if hasattr(exc, "resume") else State.FAILED  # preempted
+            return Attempt(number, ended, exc, dict(exc.failures)), None
+        return Attempt(number, State.SUCCEEDED), results
 
     def collect(self) -> list[Any]:
         """Every rank's return value, rank-ordered (``None`` for a rank that ended with

@@ -32,10 +32,9 @@ from typing import Any
 
 from ..platform import process_identity
 from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
-from .observers import CallInfo, Observer
-from .state import Outcome, State
+from .observers import CallView, Observer
+from .state import State
 
-# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle.control")
 
 RECORD = CALL_RECORD  # names owned by RunDir (rundir.py)
@@ -72,7 +71,7 @@ def peer_uid(conn: socket.socket) -> int | None:
 class ControlObserver(Observer):
     """Writes the call record at each transition and serves the control socket."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: CallView) -> None:
         self.run = run
         self.started = time.time()
         self.kind = caller_kind()
@@ -85,18 +84,16 @@ class ControlObserver(Observer):
     # ---------------------------------------------------------------- the record
     def record(self) -> dict[str, Any]:
         run = self.run
-        gang = run.gang
-        tracker = run.tracker
-        devices = [d.index for d in getattr(run, "_devices", [])]
+        call, gang, tracker = run.call, run.gang, run.tracker
         return {
-            "run_id": run.run_id,
-            "function": run.fn_name,
-            "world_size": run.world_size,
-            "gpus": devices,
+            "run_id": call.run_id,
+            "function": call.fn_name,
+            "world_size": call.world_size,
+            "gpus": [d.index for d in run.devices],
             "started": self.started,
             "state": self._state,
-            "attempt": run.call.attempt,
-            "max_restarts": run.call.max_restarts,
+            "attempt": run.attempt,
+            "max_restarts": call.max_restarts,
             "pids": {str(r): p for r, p in (dict(gang.pids) if gang is not None else {}).items()},
             "log_dir": run.log_dir,
             "run_dir": run.run_dir,
@@ -123,10 +120,10 @@ class ControlObserver(Observer):
                 json.dump(self.record(), f)
             os.rename(tmp, path)
         except OSError as exc:  # the run directory is gone: nothing to show any more
-            log.debug("call %s: cannot write its record: %s", self.run.run_id, exc)
+            log.debug("call %s: cannot write its record: %s", self.run.call.run_id, exc)
 
     # ---------------------------------------------------------------- observer
-    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+    def on_transition(self, state: State, run: CallView) -> None:
         self._state = state.value
         if state is State.LAUNCHING and self._sock is None and self.run.run_dir:
             self._serve()
@@ -149,7 +146,7 @@ class ControlObserver(Observer):
         self._sock = sock
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(
-            target=self._loop, name=f"gangrun-control-{self.run.run_id}", daemon=True
+            target=self._loop, name=f"gangrun-control-{self.run.call.run_id}", daemon=True
         )
         self._thread.start()
 
@@ -183,7 +180,7 @@ class ControlObserver(Observer):
                 finally:
                     self._busy = False
         except Exception:
-            log.exception("call %s: the control socket stopped", self.run.run_id)
+            log.exception("call %s: the control socket stopped", self.run.call.run_id)
         finally:
             sock.close()
             try:
@@ -201,7 +198,8 @@ class ControlObserver(Observer):
         conn.settimeout(5.0)
         uid = peer_uid(conn)
         if uid != os.getuid():
-            log.warning("call %s: refused a control request from uid %s", self.run.run_id, uid)
+            rid = self.run.call.run_id
+            log.warning("call %s: refused a control request from uid %s", rid, uid)
             _reply(conn, {"ok": False, "error": "refused: this call belongs to another user"})
             return
         try:
@@ -212,18 +210,17 @@ class ControlObserver(Observer):
         if op == "ping":
             _reply(conn, {"ok": True, "record": self.record()})
         elif op == "stacks":
-            watch = getattr(self.run, "watch", None)
             try:
-                got = {} if watch is None else watch.stacks()
+                got = self.run.watch.stacks()
                 _reply(conn, {"ok": True, "stacks": {str(r): s for r, s in got.items()}})
             except Exception as exc:
                 _reply(conn, {"ok": False, "error": str(exc)})
         elif op == "stop":
             who = str(req.get("by") or "")
             reason = "stopped from the command line (gangrun stop" + (f", {who}" if who else "")
-            log.debug("call %s: %s)", self.run.run_id, reason)
+            log.debug("call %s: %s)", self.run.call.run_id, reason)
             self.run.cancel(reason + ")", wait=STOP_WAIT_S)  # the one teardown, as cancel()
-            out = self.run.outcome
+            out, tracker = self.run.outcome, self.run.tracker
             _reply(
                 conn,
                 {
@@ -231,7 +228,7 @@ class ControlObserver(Observer):
                     "done": self.run.done(),
                     "state": out.state.value,
                     "mlflow_status": out.mlflow_status,
-                    "mlflow_run_id": self.run.mlflow_run_id,
+                    "mlflow_run_id": None if tracker is None else tracker.run_id,
                     "error": None if out.error is None else str(out.error).splitlines()[0],
                 },
             )
@@ -246,7 +243,7 @@ def _reply(conn: socket.socket, msg: dict[str, Any]) -> None:
         pass
 
 
-def attach(run: Any) -> list[Observer]:
+def attach(run: CallView) -> list[Observer]:
     return [ControlObserver(run)]
 
 

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from ..exitcodes import signal_name
-from .observers import CallInfo, Observer
-from .state import Outcome, State
+from .observers import CallView, Observer
+from .state import State
 
-# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle")
 
 
 class NarratorObserver(Observer):
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: CallView) -> None:
         self.run = run
         self.t0 = time.monotonic()
         self.attempt_t0 = self.t0
@@ -29,10 +27,10 @@ class NarratorObserver(Observer):
     def _on(self) -> bool:
         return log.isEnabledFor(logging.DEBUG)
 
-    def on_plan(self, call: CallInfo) -> None:
+    def on_plan(self, run: CallView) -> None:
         if not self._on():
             return
-        opts = self.run.opts
+        call, opts = run.call, run.call.options
         where = f"GPUs {opts.gpus}" if opts.gpus is not None else f"processes={opts.processes}"
         log.debug(
             "call %s: plan: %s on %d rank(s), backend %s, %s, start_method %s, timeout %s",
@@ -45,18 +43,18 @@ class NarratorObserver(Observer):
             opts.timeout,
         )
 
-    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+    def on_transition(self, state: State, run: CallView) -> None:
         if not self._on():
             return
-        run, rid = self.run, call.run_id
+        rid, outcome, max_restarts = run.call.run_id, run.outcome, run.call.max_restarts
         if state is State.LAUNCHING:
             self.attempt_t0 = time.monotonic()
-            gpus = [f"{d.index} ({d.name})" for d in getattr(run, "_devices", [])]
+            gpus = [f"{d.index} ({d.name})" for d in run.devices]
             log.debug(
                 "call %s: attempt %d/%d launching: run dir %s, logs %s, GPUs %s",
                 rid,
-                call.attempt + 1,
-                call.max_restarts + 1,
+                run.attempt + 1,
+                max_restarts + 1,
                 run.run_dir,
                 run.log_dir,
                 ", ".join(gpus) or "none",
@@ -79,26 +77,25 @@ class NarratorObserver(Observer):
                 log.debug("call %s: rank %d started: pid %d", rid, r, pid)
         elif state is State.STOPPING:
             gang = run.gang
-            alive = getattr(gang, "alive", None)
-            live = alive() if alive is not None else []
+            live = gang.alive() if gang is not None else []
             log.debug(
                 "call %s: teardown: %s (grace %gs)",
                 rid,
                 f"stopping live rank(s) {sorted(live)}" if live else "every rank has exited",
-                run.opts.grace_period,
+                run.call.options.grace_period,
             )
         elif state is State.RESTARTING:
             err = outcome.attempts[-1].error if outcome.attempts else None
             log.debug(
                 "call %s: restart %d/%d after %s",
                 rid,
-                call.attempt + 1,
-                call.max_restarts,
+                run.attempt + 1,
+                max_restarts,
                 type(err).__name__ if err is not None else "a failure",
             )
         elif state.terminal:
             err = outcome.error
-            tracked = run.mlflow_run_id
+            tracked = None if run.tracker is None else run.tracker.run_id
             log.debug(
                 "call %s: ended %s after %.2fs%s%s",
                 rid,
@@ -116,7 +113,7 @@ class NarratorObserver(Observer):
         sig = signal_name(exitcode)
         log.debug(
             "call %s: rank %d exited with %s after %.2fs%s",
-            self.run.run_id,
+            self.run.call.run_id,
             rank,
             sig or f"code {exitcode}",
             time.monotonic() - self.attempt_t0,
@@ -124,7 +121,7 @@ class NarratorObserver(Observer):
         )
 
 
-def attach(run: Any) -> list[Observer]:
+def attach(run: CallView) -> list[Observer]:
     return [NarratorObserver(run)]
 
 

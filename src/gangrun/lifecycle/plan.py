@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import contract
 from ..accelerators import Accelerator
@@ -23,14 +22,11 @@ from ..options import Options
 from ..platform import cpu_count, free_port, process_identity
 from ..records import RankContext, pid_namespace
 
-if TYPE_CHECKING:
-    from ..tracking.plan import TrackingInfo
-
 
 @dataclass
 class Plan:
-    run_id: str
-    fn_name: str
+    """How many ranks, on which devices (the call's identity is its `CallRecord`'s)."""
+
     world_size: int
     # local GPU ranks: how many of ``devices`` the supervisor reserves (a count), or exactly
     # which (device indices, ``gpus=[0, 3]``); 0: no GPU
@@ -67,7 +63,7 @@ def check_gpu_type(pool: Sequence[Accelerator], gpu_type: str | None) -> None:
 
 def plan_local(fn: Callable[..., Any], opts: Options) -> Plan:
     """World size and candidate devices on this node (raises ``LaunchError``)."""
-    plan = Plan(uuid.uuid4().hex[:12], function_name(fn), 0)
+    plan = Plan(0)
     if opts.processes is not None and opts.gpu_type is None:
         plan.world_size = opts.processes
         return plan
@@ -141,6 +137,7 @@ def rank_specs(
     opts: Options,
     *,
     run_dir: str,
+    run_id: str = "<run id>",
     devices: Sequence[Accelerator] = (),
     attempt: int = 0,
     tracking_env: Mapping[str, str] | None = None,
@@ -167,47 +164,18 @@ def rank_specs(
                 "ROLE_WORLD_SIZE": str(n),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
-                "TORCHELASTIC_RUN_ID": plan.run_id,
+                "TORCHELASTIC_RUN_ID": run_id,
                 "TORCHELASTIC_RESTART_COUNT": str(attempt),
                 "TORCHELASTIC_MAX_RESTARTS": str(opts.max_restarts),
                 "PYTHONUNBUFFERED": "1",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                contract.RUN_ID: plan.run_id,
+                contract.RUN_ID: run_id,
                 contract.RUN_DIR: run_dir,
                 contract.CALLER_PID: str(os.getpid()),
             }
         )
         ranks.append(RankSpec(r, env))
     return ranks
-
-
-def tracking_info(
-    plan: Plan,
-    opts: Options,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: Mapping[str, Any],
-) -> TrackingInfo:
-    """What the MLflow run records about the call (params and tags)."""
-    from ..tracking.plan import TrackingInfo, call_arguments
-    from ..version import __version__
-
-    return TrackingInfo(
-        function=plan.fn_name,
-        world_size=plan.world_size,
-        run_id=plan.run_id,
-        options=opts,
-        processes=opts.processes,
-        gpus=opts.gpus if opts.processes is None else None,
-        gpu_type=plan.gpu_name or opts.gpu_type,
-        timeout=opts.timeout,
-        version=__version__,
-        host=socket.gethostname(),
-        args=call_arguments(fn, args, dict(kwargs)),  # by parameter name
-        # the file the call runs, when the callable names it (gangrun run: the script)
-        source=getattr(fn, "source_file", None),
-        backend="ray" if plan.backend == "ray" else None,
-    )
 
 
 __all__ = [
@@ -217,5 +185,4 @@ __all__ = [
     "rank_specs",
     "base_env",
     "check_gpu_type",
-    "tracking_info",
 ]

@@ -19,7 +19,7 @@ from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import connect, fmt_resources
 from ..options import Options
-from .plan import Plan, function_name
+from .plan import Plan
 
 # Caller variables shipped to remote ranks even though gangrun did not set them; the rest of
 # the caller's environment (PATH, HOME, virtualenv...) belongs to the caller's machine.
@@ -55,9 +55,7 @@ def _type_matches(ray_type: str, want: str) -> bool:
 
 def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]:
     """Size the world on the cluster and decide the placement (raises ``LaunchError``)."""
-    import uuid
-
-    plan = Plan(uuid.uuid4().hex[:12], function_name(fn), 0, backend="ray")
+    plan = Plan(0, backend="ray")
     ray = connect(opts.address)
     total = ray.cluster_resources()
     if opts.processes is not None:

@@ -1,5 +1,6 @@
 """What a supervisor is built from, injectable (the policy tests pass fakes): the planner,
-the gang factory, the output pump factory, and the type of the call's event queue."""
+the gang factory, the output pump factory, the MLflow run's start, and the type of the
+call's event queue."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ from .state import CancelRequested
 
 if TYPE_CHECKING:
     from ..output import OutputPump
+    from ..tracking.caller import Tracker
+    from ..tracking.plan import TrackingInfo
 
 # What the call's event queue carries: rank exits from the gang, the lifecycle's own events.
 QueueItem = Union[RankExit, CancelRequested]
 GangFactory = Callable[[GangSpec, "OutputPump", ExitSink], Gang]
 PumpFactory = Callable[..., "OutputPump"]
 Planner = Callable[[Callable[..., Any], Options], tuple[Plan, RayPlacement | None]]
+# (the run's params and tags, where its link is printed) -> the MLflow run, or None
+TrackingStart = Callable[["TrackingInfo", IO[str]], "Tracker | None"]
 
 
 def default_planner(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement | None]:
@@ -37,4 +42,22 @@ def make_pump(
     return Pump(stdout, stderr, mode, on_line)
 
 
-__all__ = ["QueueItem", "GangFactory", "PumpFactory", "Planner", "default_planner", "make_pump"]
+def start_tracking(info: TrackingInfo, stdout: IO[str]) -> Tracker | None:
+    """Create (or resume) the call's MLflow run: an acquisition of the supervisor's, so bad
+    tracking input (a missing ``run_id``...) is a ``LaunchError`` before any rank starts;
+    ``None`` (after a printed note) when MLflow cannot be used."""
+    from ..tracking import Tracker as Tracked
+
+    return Tracked.start(info, stdout)
+
+
+__all__ = [
+    "QueueItem",
+    "GangFactory",
+    "PumpFactory",
+    "Planner",
+    "TrackingStart",
+    "default_planner",
+    "make_pump",
+    "start_tracking",
+]

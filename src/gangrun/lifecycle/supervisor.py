@@ -1,8 +1,8 @@
 """The supervisor of one call: acquires, launches, watches, restarts, collects, tears down.
 
-It owns what it acquired (GPU reservation, run directory, the gang and its output pump; the
-MLflow run through its observer) and releases all of it on ONE path, `_finish`, for a
-partial start, an interrupt, a failure and a normal end alike. A monitor thread waits on the
+It owns what it acquired (GPU reservation, run directory, the MLflow run, the gang and its
+output pump) and releases all of it on ONE path, `_end`, for a partial start, an
+interrupt, a failure and a normal end alike. A monitor thread waits on the
 call's event queue, which carries the gang's rank exits and the lifecycle's own events
 (cancel); the deadline and the hang guard are the queue wait's timeout (no polling on the
 exit path: a failure is seen as soon as its waiter thread reports it).
@@ -16,12 +16,11 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from .. import serialization
-from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
-from ..launch import Gang, GangSpec, RankExit, RayPlacement, open_gang
+from ..launch import Gang, GangSpec, RankExit, open_gang
 from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale, remove_unrecorded
@@ -29,10 +28,20 @@ from . import calls
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, request_stop
 from .collect import RankFiles
-from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
-from .plan import Plan, check_gpu_type, rank_context, rank_specs, tracking_info
+from .observers import MlflowObserver, NoticeObserver, Observer, Observers
+from .plan import check_gpu_type, function_name, rank_context, rank_specs
 from .policy import Decision
-from .seams import GangFactory, Planner, PumpFactory, QueueItem, default_planner, make_pump
+from .record import CallRecord, new_run_id, tracking_info
+from .seams import (
+    GangFactory,
+    Planner,
+    PumpFactory,
+    QueueItem,
+    TrackingStart,
+    default_planner,
+    make_pump,
+    start_tracking,
+)
 from .state import (
     Attempt,
     CancelRequested,
@@ -45,19 +54,22 @@ from .state import (
     State,
     StateMachine,
 )
-from .watch import Watch, watching
+from .watch import watching
 
 if TYPE_CHECKING:
     from ..accelerators import Accelerator
     from ..output import OutputPump
     from ..reservation import Reservation
     from ..tracking.caller import Tracker
-    from .hang import HangGuard
 
 log = logging.getLogger("gangrun.lifecycle.supervisor")
 
 
 class Supervisor:
+    """One call. Made with everything it needs: the call is planned (side-effect free; bad
+    options are a ``LaunchError`` here) into its frozen `CallRecord`, and every observer is
+    given (``observers`` first, then the built-in ones); nothing is added later."""
+
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -70,34 +82,29 @@ class Supervisor:
         gang_factory: GangFactory = open_gang,
         planner: Planner = default_planner,
         pump_factory: PumpFactory = make_pump,
-        observers: list[Observer] | None = None,
+        tracking: TrackingStart = start_tracking,
+        observers: Sequence[Observer] = (),
     ) -> None:
-        self.fn, self.args, self.kwargs, self.opts = fn, args, kwargs, options
-        self.stdout = stdout if stdout is not None else sys.stdout
-        self.stderr = stderr if stderr is not None else sys.stderr
+        plan, placement = planner(fn, options)
+        out = sys.stdout if stdout is None else stdout
+        err = sys.stderr if stderr is None else stderr
+        self.call = CallRecord(
+            new_run_id(), function_name(fn), plan, options, out, err, fn, args, kwargs, placement
+        )
         self.owner_pid = os.getpid()
-        self._gang_factory, self._planner, self._pump_factory = gang_factory, planner, pump_factory
         self.outcome = Outcome()
-        self._machine = StateMachine(self.outcome, self._notify)
-        self._mlflow: MlflowObserver | None = None
-        self.watch: Watch | None = None  # progress, slow ranks, stacks: set by watching()
-        if observers is None:
-            observers = [NoticeObserver()]
-            if options.mlflow:
-                self._mlflow = MlflowObserver()
-                observers.insert(0, self._mlflow)
-            observers[:0] = watching(self)  # DEBUG narration, progress, `gangrun ps/stop`
-        self.observers = observers
-        self.plan: Plan | None = None
-        self.placement: RayPlacement | None = None
-        self.context: RankContext | None = None
         self.rundir: RunDir | None = None
+        self.gang: Gang | None = None  # the running attempt's
+        self.watch, watchers = watching(self)  # progress, DEBUG narration, `gangrun ps/stop`
+        self._observers = Observers([*observers, *watchers, MlflowObserver(), NoticeObserver()])
+        self._gang_factory, self._pump_factory, self._track = gang_factory, pump_factory, tracking
+        self._machine = StateMachine(self.outcome, self._notify)
+        self._restarts = Restarts(options, self)  # the rules: lifecycle/policy.py
+        self._attempt = 0
+        self._tracker: Tracker | None = None
+        self._context: RankContext | None = None
         self._files: RankFiles
-        self.call = CallInfo("", getattr(fn, "__qualname__", repr(fn)), stdout=self.stdout)
-        self.call.stderr, self.call.max_restarts = self.stderr, options.max_restarts
-        self._restarts = Restarts(options, self.call)  # the rules: lifecycle/policy.py
-        self.gang: Gang | None = None
-        self.pump: OutputPump | None = None
+        self._pump: OutputPump | None = None
         self._gang_open = False
         self._devices: list[Accelerator] = []
         self._reservation: Reservation | None = None
@@ -109,23 +116,54 @@ class Supervisor:
         self._released = False
         self._thread: threading.Thread | None = None
         self._started = 0.0
-        # what the handle shows: known once planned (run id, world) and acquired (dirs)
-        self.run_id, self.fn_name, self.world_size = "", self.call.fn_name, 0
-        self.run_dir = self.log_dir = ""
 
     # ---------------------------------------------------------------- public face
+    @property
+    def run_id(self) -> str:
+        return self.call.run_id
+
+    @property
+    def fn_name(self) -> str:
+        return self.call.fn_name
+
+    @property
+    def world_size(self) -> int:
+        return self.call.world_size
+
+    @property
+    def opts(self) -> Options:
+        return self.call.options
+
+    @property
+    def attempt(self) -> int:
+        """The attempt running (0: the first)."""
+        return self._attempt
+
+    @property
+    def devices(self) -> list[Accelerator]:
+        """The GPUs reserved for the call."""
+        return list(self._devices)
+
+    @property
+    def tracker(self) -> Tracker | None:
+        """The MLflow run's tracker (``gangrun.tracking.Tracker``), once created."""
+        return self._tracker
+
+    @property
+    def run_dir(self) -> str:
+        return "" if self.rundir is None else self.rundir.path
+
+    @property
+    def log_dir(self) -> str:
+        return "" if self.rundir is None else self.rundir.logs
+
     @property
     def state(self) -> State:
         return self.outcome.state
 
     @property
-    def tracker(self) -> Tracker | None:
-        """The MLflow run's tracker (``gangrun.tracking.Tracker``), once created."""
-        return None if self._mlflow is None else self._mlflow.tracker
-
-    @property
     def mlflow_run_id(self) -> str | None:
-        return None if self._mlflow is None else self._mlflow.run_id
+        return None if self._tracker is None else str(self._tracker.run_id)
 
     @property
     def started(self) -> bool:
@@ -191,13 +229,14 @@ class Supervisor:
             return
         if self.rundir is not None:
             self.rundir.remove()
-        elif self.plan is not None:  # interrupted between creating the directory and keeping it
-            remove_unrecorded(self.plan.run_id)
+        else:  # maybe interrupted between creating the directory and keeping it
+            remove_unrecorded(self.call.run_id)
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
-        """Plan, acquire, launch the first attempt and start the monitor. Raises (after
-        releasing everything acquired) when the call cannot start."""
+        """Acquire, launch the first attempt and start the monitor (the call was planned when
+        the supervisor was made). Raises (after releasing everything acquired) when the call
+        cannot start."""
         self._started = time.monotonic()
         try:
             self._acquire()
@@ -213,41 +252,33 @@ class Supervisor:
             raise
 
     def _acquire(self) -> None:
-        plan, self.placement = self._planner(self.fn, self.opts)
-        self.plan = plan
-        self.call.run_id, self.call.fn_name = plan.run_id, plan.fn_name
-        self.call.world_size = plan.world_size
-        self.run_id, self.fn_name, self.world_size = plan.run_id, plan.fn_name, plan.world_size
-        tell(self.observers, "on_plan", self.call)  # e.g. the panel: "starting N ranks..."
-        self.context = rank_context(self.opts)
-        if plan.gpus_wanted:
+        call, opts = self.call, self.call.options
+        self._observers.on_plan(self)  # e.g. the panel: "starting N ranks..."
+        self._context = rank_context(opts)
+        if call.plan.gpus_wanted:
             from ..reservation import reserve_wanted
 
-            self._reservation = reserve_wanted(plan.devices, plan.gpus_wanted, self.opts.gpu_wait)
+            plan = call.plan
+            self._reservation = reserve_wanted(plan.devices, plan.gpus_wanted, opts.gpu_wait)
             self._devices = list(self._reservation.devices)
-            check_gpu_type(self._devices, self.opts.gpu_type)
-            plan.gpu_name = self._devices[0].name
+            check_gpu_type(self._devices, opts.gpu_type)
         reap_stale()
-        self.rundir = create(plan.run_id, self.opts.log_dir)
-        self.run_dir, self.log_dir = self.rundir.path, self.rundir.logs
-        self.call.log_files = self.log_files()
-        self.rundir.write_context(self.context)
+        self.rundir = create(call.run_id, opts.log_dir)
+        self.rundir.write_context(self._context)
         from ..rank.source import with_sources  # notebook code: its source travels along
 
         serialization.write_payload(
-            self.rundir.payload,
-            with_sources(self.fn),
-            self.args,
-            self.kwargs,
-            self.opts.max_capture_bytes,
-        )
-        if self._mlflow is not None:
-            self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
-            self._mlflow.start(self.call)  # bad tracking input: a LaunchError, nothing started
+            self.rundir.payload, with_sources(call.fn), call.args, call.kwargs,
+            opts.max_capture_bytes,
+        )  # fmt: skip
+        if opts.mlflow:  # bad tracking input: a LaunchError, nothing started
+            gpu = self._devices[0].name if self._devices else None
+            self._tracker = self._track(tracking_info(call, gpu), call.stdout)
         self._ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
 
     def _launch_attempt(self) -> None:
-        assert self.plan is not None and self.rundir is not None and self.context is not None
+        assert self.rundir is not None and self._context is not None
+        call, opts = self.call, self.call.options
         self._machine.to(State.LAUNCHING)
         events: queue.Queue[QueueItem] = queue.Queue()
         with self._lock:
@@ -255,43 +286,36 @@ class Supervisor:
             if self._cancel_reason is not None:  # cancelled while restarting
                 events.put(CancelRequested(self._cancel_reason))
         self._files = RankFiles(
-            self.rundir, self.plan.world_size, self.run_id, self.opts.grace_period, self.fn_name
+            self.rundir, call.world_size, call.run_id, opts.grace_period, call.fn_name
         )
-        tracked: dict[str, str] = {}
-        for obs in self.observers:
-            tracked.update(obs.rank_env())
+        tracked = {} if self._tracker is None else dict(self._tracker.rank_env())
         tracked.update(self._ckpt_env)
         spec = GangSpec(
-            run_id=self.plan.run_id,
+            run_id=call.run_id,
             run_dir=self.rundir.path,
             ranks=rank_specs(
-                self.plan,
-                self.opts,
+                call.plan,
+                opts,
                 run_dir=self.rundir.path,
+                run_id=call.run_id,
                 devices=self._devices,
-                attempt=self.call.attempt,
+                attempt=self._attempt,
                 tracking_env=tracked,
             ),
             log_dir=self.rundir.logs,
-            output=self.opts.output,
-            grace_period=self.opts.grace_period,
-            cwd=self.context.cwd,
-            start_method=self.opts.start_method,
-            forkserver=self.opts.forkserver,
+            output=opts.output,
+            grace_period=opts.grace_period,
+            cwd=self._context.cwd,
+            start_method=opts.start_method,
+            forkserver=opts.forkserver,
         )
-        if self.placement is not None:
+        if call.placement is not None:
             from .ray_plan import ship_env
 
-            ship_env(spec, self.opts, self.placement, tracked)
-        listeners = [o for o in self.observers if o.wants_lines]
-        on_line = None
-        if listeners:
-
-            def on_line(rank: int, text: str) -> None:
-                tell(listeners, "on_rank_line", rank, text)
-
-        self.pump = self._pump_factory(self.stdout, self.stderr, self.opts.output, on_line)
-        self.gang = self._gang_factory(spec, self.pump, events)
+            ship_env(spec, opts, call.placement, tracked)
+        lines = self._observers.on_rank_line if self._observers.line_listeners else None
+        self._pump = self._pump_factory(call.stdout, call.stderr, opts.output, lines)
+        self.gang = self._gang_factory(spec, self._pump, events)
         self._gang_open = True
         self.gang.start()
         self._restarts.launched()
@@ -311,7 +335,7 @@ class Supervisor:
                         verdict.backoff, self._events, lambda: self._cancel_reason, self._started
                     )
                     if waited is None:
-                        self.call.attempt += 1
+                        self._attempt += 1
                         self.rundir.clear_attempt()
                         self._launch_attempt()
                         continue
@@ -331,8 +355,8 @@ class Supervisor:
         return RankExited(item) if isinstance(item, RankExit) else item  # type: ignore[no-any-return]
 
     def _watch_attempt(self) -> Attempt:
-        assert self.plan is not None and self.rundir is not None and self.gang is not None
-        gang, events, n = self.gang, self._events, self.plan.world_size
+        assert self.rundir is not None and self.gang is not None
+        gang, events, n = self.gang, self._events, self.world_size
         assert events is not None
         timeout = self.opts.timeout
         deadline = None if timeout is None else self._started + timeout
@@ -367,7 +391,7 @@ class Supervisor:
                     ending = ev
                     break
                 exits[ev.rank] = ev.exit
-                tell(self.observers, "on_rank_exit", ev.rank, ev.exit.exitcode, False)
+                self._observers.on_rank_exit(ev.rank, ev.exit.exitcode, False)
                 remaining.discard(ev.rank)
                 if self._files.exit_failed(ev.exit):
                     ending = ev
@@ -382,46 +406,17 @@ class Supervisor:
                 break
             if isinstance(late, RankExited) and late.rank not in exits:
                 exits[late.rank] = late.exit
-                tell(self.observers, "on_rank_exit", late.rank, late.exit.exitcode, True)
-        return self._attempt_result(ending, exits, teardown_at, guard)
-
-    def _attempt_result(
-        self,
-        ending: Event | None,
-        exits: dict[int, RankExit],
-        teardown_at: float,
-        guard: HangGuard | None,
-    ) -> Attempt:
-        number, n, name = self.call.attempt, self.world_size, self.fn_name
-        if isinstance(ending, CancelRequested):
-            err: DistributedError = DistributedCancelledError(
-                f"{name} was {ending.reason}; all {n} ranks were stopped.", run_id=self.run_id
-            )
-            return Attempt(number, State.CANCELLED, err)
-        if isinstance(ending, DeadlineReached):
-            err = DistributedTimeoutError(
-                f"{name} did not finish within timeout={ending.timeout:g}s; all {n} ranks "
-                "were stopped.",
-                run_id=self.run_id,
-            )
-            return Attempt(number, State.TIMED_OUT, err)
-        if isinstance(ending, HangDetected):
-            assert guard is not None  # only the guard detects hangs
-            return Attempt(number, State.HUNG, guard.error(name, self.run_id, self.log_dir))
+                self._observers.on_rank_exit(late.rank, late.exit.exitcode, True)
         assert self.gang is not None
-        if isinstance(ending, RankExited):
-            err = self._files.root_cause(exits, ending.exit, teardown_at, self.gang.pids)
-            return Attempt(number, State.FAILED, err, dict(err.failures))
-        try:
-            self.outcome.results = self._files.collect()
-        except DistributedError as exc:
-            ended = State.CANCELLED if hasattr(exc, "resume") else State.FAILED  # preempted
-            return Attempt(number, ended, exc, dict(exc.failures))
-        return Attempt(number, State.SUCCEEDED)
+        pids = dict(self.gang.pids)
+        attempt, self.outcome.results = self._files.ended(
+            self._attempt, ending, exits, teardown_at, pids, guard
+        )
+        return attempt
 
     # ---------------------------------------------------------------- the one teardown
     def _close_gang(self, stop: bool, grace: float | None) -> None:
-        gang, pump = self.gang, self.pump
+        gang, pump = self.gang, self._pump
         if gang is None or not self._gang_open:
             return
         self._gang_open = False
@@ -488,7 +483,7 @@ class Supervisor:
             res.release()
 
     def _notify(self, state: State, outcome: Outcome) -> None:
-        notify(self.observers, state, outcome, self.call)
+        self._observers.on_transition(state, self)
 
 
 def _unlink(path: str) -> None:

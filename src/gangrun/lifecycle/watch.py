@@ -26,15 +26,17 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import contract
 from ..progress_view import Progress, RankProgress, summary_line
 from ..rank.progress import StepReport, read_all
-from .observers import CallInfo, Observer
-from .state import Outcome, State
+from .observers import CallView, Observer
+from .state import State
 
-# `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
+if TYPE_CHECKING:
+    from ..tracking.caller import Tracker
+
 log = logging.getLogger("gangrun.lifecycle.watch")
 
 SLOW_RATIO = 0.8  # a rank under this fraction of the others' median rate...
@@ -172,7 +174,7 @@ class Watch:
     """The watching side of one call (``run.watch``): `progress` reads the run
     directory (at most every `MIN_SAMPLE_S`), `stacks` asks the ranks."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: CallView) -> None:
         self.run = run
         self._lock = threading.Lock()
         self._tracker: ProgressTracker | None = None
@@ -196,7 +198,8 @@ class Watch:
     def progress(self, fresh: bool = False) -> Progress:
         """The call's progress now (``Progress().reported`` is False when no rank reports)."""
         run = self.run
-        if not run.run_dir or not run.world_size or self._frozen:
+        world = run.call.world_size
+        if not run.run_dir or not world or self._frozen:
             return self._last  # after the end: the last values (the files are gone)
         with self._lock:
             now = time.time()
@@ -204,8 +207,8 @@ class Watch:
                 return self._last
             self._sampled = now
             if self._tracker is None:
-                self._tracker = ProgressTracker(run.world_size)
-            reports = read_all(run.run_dir, run.world_size)
+                self._tracker = ProgressTracker(world)
+            reports = read_all(run.run_dir, world)
             live = self._live_ranks()
             last_progress = None
             if live:
@@ -220,15 +223,14 @@ class Watch:
         gang = self.run.gang
         if gang is None or self.run.state is not State.RUNNING:
             return []
-        alive = getattr(gang, "alive", None)
-        return list(alive()) if alive is not None else []
+        return list(gang.alive())
 
     def stacks(self, wait: float = 5.0) -> dict[int, str]:
         """Every live rank's Python stacks (all threads) now; the call keeps running."""
         from ..rank import stacks
 
         run = self.run
-        if run.placement is not None:
+        if run.call.placement is not None:
             raise NotImplementedError(
                 "stacks() works for ranks on this node only (backend='local'); on Ray, use "
                 "`ray stack` or the Ray dashboard"
@@ -247,17 +249,17 @@ class ProgressObserver(Observer):
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
 
-    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
+    def on_transition(self, state: State, run: CallView) -> None:
         if state is State.LAUNCHING:
             self.watch.new_attempt()
         elif state.terminal:
             p = self.watch.freeze()
-            tracker = self.watch.run.tracker
+            tracker = run.tracker
             if p.reported and tracker is not None:
                 log_final(tracker, p)
 
 
-def log_final(tracker: Any, p: Progress) -> None:
+def log_final(tracker: Tracker, p: Progress) -> None:
     """The last progress values on the call's MLflow run (best effort)."""
     from mlflow.entities import Metric
 
@@ -276,16 +278,16 @@ def log_final(tracker: Any, p: Progress) -> None:
         log.debug("could not log the final progress: %s", exc)
 
 
-def watching(run: Any) -> list[Observer]:
-    """Give ``run`` its `Watch` (``run.watch``); the observers that go first in the
-    call's list: the DEBUG narration, the progress (its final values reach MLflow before the
-    run ends), the node record and control socket (`gangrun.lifecycle.control`)."""
+def watching(run: CallView) -> tuple[Watch, list[Observer]]:
+    """``run``'s `Watch` (``run.watch``), and the built-in observers that go before MLflow's:
+    the DEBUG narration, the progress (its final values reach MLflow before the run ends),
+    the node record and control socket (`gangrun.lifecycle.control`)."""
     from .._log import configure
     from . import control, narrate
 
     configure()  # GANGRUN_LOG_LEVEL (once per process)
-    run.watch = Watch(run)
-    return [*narrate.attach(run), ProgressObserver(run.watch), *control.attach(run)]
+    watch = Watch(run)
+    return watch, [*narrate.attach(run), ProgressObserver(watch), *control.attach(run)]
 
 
 __all__ = [

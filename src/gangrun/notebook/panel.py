@@ -1,11 +1,12 @@
 """The live panel of a call made from a Jupyter kernel: an observer of the call's lifecycle.
 
-Drawn with IPython's rich display (``display(..., display_id=...)`` then updates in place: no
-ipywidgets, so JupyterLab, classic Notebook, VS Code and saved notebooks all show it). The
-observer methods only store the snapshot; the panel's own thread redraws at most every
-``refresh_s`` and reads the call's MLflow metrics at most every ``metrics_s``, so nothing of
-it runs on the training path. ``on_end`` draws the final state synchronously, before the call
-is reported done, so the saved notebook holds it.
+`Panel` is a `gangrun.lifecycle.observers.Observer`, handed to the call's supervisor when it is
+made (`gangrun.notebook.session.wiring`). Drawn with IPython's rich display (``display(...,
+display_id=...)`` then updates in place: no ipywidgets, so JupyterLab, classic Notebook, VS
+Code and saved notebooks all show it). Its hooks only update the snapshot (`CallState`); the
+panel's own thread redraws at most every ``refresh_s`` and reads the call's MLflow metrics at
+most every ``metrics_s``, so nothing of it runs on the training path. The end is drawn
+synchronously, before the call is reported done, so the saved notebook holds it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..lifecycle.observers import CallView, Observer
+from ..lifecycle.state import State
+from ..progress_view import Progress
 from .html import MAX_SERIES, Series, render_panel, svg_chart
 from .routing import parent_of
-from .state import CallSnapshot
+from .state import CallSnapshot, CallState
+
+if TYPE_CHECKING:
+    from .resumed import ResumeWatch
 
 log = logging.getLogger("gangrun.notebook")
 
@@ -59,8 +65,8 @@ def _plain(snap: CallSnapshot) -> str:
     return f"gangrun: {snap.fn_name} · {state} · {snap.world_size} ranks · {snap.elapsed:.1f}s"
 
 
-class Panel:
-    """Observer that draws one call's panel in the cell that launched it."""
+class Panel(Observer):
+    """The observer that draws one call's panel in the cell that launched it."""
 
     def __init__(
         self,
@@ -68,7 +74,6 @@ class Panel:
         parent: dict[str, Any] | None,
         refresh_s: float = 0.5,
         metrics_s: float = 2.5,
-        progress: Callable[[], Any] | None = None,
     ) -> None:
         self.shell = shell
         self.parent = parent
@@ -78,8 +83,11 @@ class Panel:
         self.series: Series = {}
         self.more: dict[str, float] = {}
         self._grid = ""  # the chart grid's HTML, drawn once per metrics read (not per redraw)
-        self._progress = progress  # () -> Progress | None: the ranks' step reports
         self.renders = 0
+        self._run: CallView | None = None  # the call, from on_plan
+        self._state: CallState | None = None
+        self._resume: ResumeWatch | None = None  # "resumed from step N" (its step reports)
+        self._tracked = False
         self._snap: CallSnapshot | None = None
         self._shown = False
         self._dirty = threading.Event()
@@ -87,16 +95,62 @@ class Panel:
         self._lock = threading.Lock()  # one draw at a time
         self._thread: threading.Thread | None = None
 
+    # -- the call's lifecycle -------------------------------------------------------------
+    def on_plan(self, run: CallView) -> None:
+        from .resumed import ResumeWatch
+
+        self._run = run
+        self._state = state = CallState(run.call, self._changed)
+        self._resume = ResumeWatch(state, run)
+        state.starting()  # before the slow parts (MLflow, the fork server)
+
+    def on_transition(self, state: State, run: CallView) -> None:
+        cs = self._state
+        if cs is None:
+            return
+        if state is State.RUNNING:
+            tracker = run.tracker
+            if tracker is not None and not self._tracked:
+                self._tracked = True
+                cs.tracking(tracker.run_id, tracker.tracking_uri, tracker.experiment_id)
+            cs.attempt_started(run.attempt)
+            if self._resume is not None:
+                self._resume.start()
+        elif state.terminal:
+            if self._resume is not None:
+                self._resume.stop()
+            run.watch.freeze()  # the final draw shows the last step reports, not a cached read
+            cs.ended(run.outcome.mlflow_status or "FAILED", run.outcome.error)
+
+    def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
+        if self._state is not None:
+            self._state.rank_exit(rank, exitcode, stopped)
+
+    def on_rank_line(self, rank: int, text: str) -> None:
+        if self._state is not None:
+            self._state.rank_line(rank, text)
+
+    def _changed(self, snap: CallSnapshot) -> None:
+        if snap.final is not None:
+            self._end(snap)
+        elif not self._shown and self._thread is None:
+            self._begin(snap)
+        else:
+            self._snap = snap
+            self._dirty.set()
+
+    def _progress(self) -> Progress | None:
+        return None if self._run is None else self._run.watch.progress()
+
     # -- drawing -------------------------------------------------------------------------
     def _draw(self, snap: CallSnapshot) -> None:
         from IPython.display import display
 
         progress = None
-        if self._progress is not None:
-            try:
-                progress = self._progress()
-            except Exception:  # the run directory is going away: draw without it
-                log.debug("panel: no progress", exc_info=True)
+        try:
+            progress = self._progress()
+        except Exception:  # the run directory is going away: draw without it
+            log.debug("panel: no progress", exc_info=True)
         html = render_panel(snap, progress=progress, grid=self._grid)
         bundle = {"text/html": html, "text/plain": _plain(snap)}
         with self._lock, parent_of(self.parent, getattr(self.shell, "display_pub", None)):
@@ -104,18 +158,14 @@ class Panel:
             self._shown = True
             self.renders += 1
 
-    # -- observer ------------------------------------------------------------------------
-    def on_start(self, snapshot: CallSnapshot) -> None:
+    # -- the snapshot's changes --------------------------------------------------------------
+    def _begin(self, snapshot: CallSnapshot) -> None:
         self._snap = snapshot
         self._draw(snapshot)  # "starting N ranks…" at once
         self._thread = threading.Thread(target=self._loop, name="gangrun-panel", daemon=True)
         self._thread.start()
 
-    def on_update(self, snapshot: CallSnapshot) -> None:
-        self._snap = snapshot
-        self._dirty.set()
-
-    def on_end(self, snapshot: CallSnapshot) -> None:
+    def _end(self, snapshot: CallSnapshot) -> None:
         self._snap = snapshot
         self._stop.set()
         self._dirty.set()
@@ -166,10 +216,4 @@ class Panel:
             log.exception("panel: the live updates stopped")
 
 
-def open_panel(
-    shell: Any, parent: dict[str, Any] | None, progress: Callable[[], Any] | None = None
-) -> Panel:
-    return Panel(shell, parent, progress=progress)
-
-
-__all__ = ["Panel", "fetch_metrics", "open_panel"]
+__all__ = ["Panel", "fetch_metrics"]

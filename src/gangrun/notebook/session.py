@@ -1,86 +1,50 @@
 """The seams between a call and the notebook: what ``submit()`` and the decorator call.
 
-`attach` runs in ``submit()`` (the launching cell's thread): in a kernel it binds the
-call's stdout/stderr to that cell and, unless turned off, gives the call a `CallState`
-whose observer is the live panel. Outside a kernel it does nothing.
+`wiring` runs in ``submit()`` (the launching cell's thread), before the call's supervisor is
+made: in a kernel it gives the call its stdout/stderr bound to that cell and, unless turned
+off, the live panel as one of its observers (`gangrun.notebook.panel.Panel`). Outside a
+kernel it gives nothing: the call writes to ``sys.stdout``/``sys.stderr``.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import IO, Any, TypedDict
 
-from ..lifecycle.observers import CallInfo, Observer
-from ..lifecycle.state import Outcome, State
+from ..lifecycle.observers import Observer
 from . import kernel
-from .state import CallState
+
+
+class Wiring(TypedDict, total=False):
+    """Keyword arguments of ``Supervisor(...)``: where the output goes, who observes."""
+
+    stdout: IO[str]
+    stderr: IO[str]
+    observers: list[Observer]
 
 
 def panel_wanted(opts: Any) -> bool:
     return bool(getattr(opts, "progress", True)) and getattr(opts, "output", "all") != "none"
 
 
-class PanelObserver(Observer):
-    """The lifecycle's observer that feeds a call's `CallState` (and so its panel)."""
-
-    def __init__(self, state: CallState, run: Any) -> None:
-        self.state, self.run = state, run
-        self._tracked = False
-        from .resumed import ResumeWatch
-
-        self._resume = ResumeWatch(state, run)  # "resumed from step N" from the step reports
-
-    def on_plan(self, call: CallInfo) -> None:
-        self.state.starting(call.world_size, call.run_id)  # before the slow parts (MLflow)
-
-    def on_transition(self, state: State, outcome: Outcome, call: CallInfo) -> None:
-        cs = self.state
-        if state is State.RUNNING:
-            tracker = self.run.tracker
-            if tracker is not None and not self._tracked:
-                self._tracked = True
-                cs.tracking(tracker.run_id, tracker.tracking_uri, tracker.experiment_id)
-            cs.attempt_started(call.attempt)
-            self._resume.start()
-        elif state.terminal:
-            self._resume.stop()
-            watch = getattr(self.run, "watch", None)
-            if watch is not None:
-                watch.freeze()  # the final draw shows the last step reports, not a cached read
-            cs.ended(outcome.mlflow_status or "FAILED", outcome.error)
-
-    def on_rank_exit(self, rank: int, exitcode: int, stopped: bool) -> None:
-        self.state.rank_exit(rank, exitcode, stopped)
-
-    def on_rank_line(self, rank: int, text: str) -> None:
-        self.state.rank_line(rank, text)
-
-
-def attach(run: Any, opts: Any) -> CallState | None:
-    """In a kernel: route the call's output to the launching cell and give it a live panel
-    (an observer of its lifecycle); returns the panel's ``CallState`` (or ``None``)."""
-    k = kernel()
-    if k is None:
-        return None
+def wiring(opts: Any) -> Wiring:
+    """In a kernel: the call's output goes to the launching cell, and a live panel observes
+    it; outside one: nothing (the supervisor's defaults)."""
+    if kernel() is None:
+        return {}
     from .routing import cell_writer, current_parent
 
-    if run.stdout is sys.stdout:
-        run.stdout = run.call.stdout = cell_writer(sys.stdout)
-    if run.stderr is sys.stderr:
-        run.stderr = run.call.stderr = cell_writer(sys.stderr)
+    wired: Wiring = {"stdout": cell_writer(sys.stdout), "stderr": cell_writer(sys.stderr)}
     if not panel_wanted(opts):
-        return None
+        return wired
     from IPython import get_ipython
 
     from .panel import Panel
 
     shell = get_ipython()
     parent = current_parent(getattr(shell, "display_pub", None)) or current_parent(sys.stdout)
-    watch = getattr(run, "watch", None)  # progress, slow and silent ranks (lifecycle/watch.py)
-    panel = Panel(shell, parent, progress=None if watch is None else watch.progress)
-    state = CallState(run.fn_name, run.run_id, opts.max_restarts, [panel])
-    run.observers.insert(0, PanelObserver(state, run))
-    return state
+    wired["observers"] = [Panel(shell, parent)]
+    return wired
 
 
 def on_decorate(opts: Any) -> None:
@@ -94,4 +58,4 @@ def on_decorate(opts: Any) -> None:
     prewarm_soon(getattr(opts, "forkserver", None))
 
 
-__all__ = ["attach", "on_decorate", "panel_wanted"]
+__all__ = ["Wiring", "wiring", "on_decorate", "panel_wanted"]

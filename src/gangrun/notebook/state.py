@@ -1,17 +1,20 @@
-"""What an observer of one call is told: a small immutable snapshot, filled by the lifecycle.
+"""What the notebook panel shows of one call: a small immutable snapshot, and its reducer.
 
-The lifecycle owns a `CallState` and tells it each transition (start, attempt,
-rank exit, the last line a rank printed, the end); every change is pushed to the observers as
-a `CallSnapshot` through ``on_start`` / ``on_update`` / ``on_end``. Observers must be
-cheap in those methods (store and return): they are called from the caller's launch path,
-the output pump and the monitor thread.
+The panel (`gangrun.notebook.panel`, an observer of the call's lifecycle) owns a `CallState`
+and tells it what happened (start, attempt, rank exit, the last line a rank printed, the
+end); each change becomes a new `CallSnapshot`, handed to the one ``on_change`` callback
+given at construction. The snapshot reads the call's identity (run id, function, world
+size) from the call's own record (`CallIdentity`: ``gangrun.lifecycle.record.CallRecord``),
+never a copy of it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -19,14 +22,44 @@ from ..exitcodes import signal_name
 
 log = logging.getLogger("gangrun.notebook")
 
-STATES = ("starting", "running", "finished", "failed", "stopped")
 MAX_LINE = 240
+
+
+class RankState(str, enum.Enum):
+    """What a rank's row shows (the HTML's ``data-state``)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    __str__ = str.__str__  # f-strings and escape() give the value
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self.value, spec)
+
+
+STATES = tuple(s.value for s in RankState)
+
+
+class CallIdentity(Protocol):
+    """Who the call is (``gangrun.lifecycle.record.CallRecord`` is one)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def fn_name(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def max_restarts(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class RankView:
     rank: int
-    state: str = "starting"
+    state: RankState = RankState.STARTING
     last_line: str = ""
     exitcode: int | None = None
 
@@ -37,12 +70,9 @@ class RankView:
 
 @dataclass(frozen=True)
 class CallSnapshot:
-    fn_name: str
-    run_id: str
-    world_size: int
+    call: CallIdentity
     started_at: float  # time.time() of the submit
     attempt: int = 0
-    max_restarts: int = 0
     ranks: tuple[RankView, ...] = ()
     mlflow_run_id: str | None = None
     tracking_uri: str | None = None
@@ -51,6 +81,22 @@ class CallSnapshot:
     message: str = ""  # one line: "starting 2 ranks…", the failure's first line
     ended_at: float | None = None
     resumed_from: int | None = None  # the step this attempt resumed at (a checkpoint restore)
+
+    @property
+    def fn_name(self) -> str:
+        return self.call.fn_name
+
+    @property
+    def run_id(self) -> str:
+        return self.call.run_id
+
+    @property
+    def world_size(self) -> int:
+        return self.call.world_size
+
+    @property
+    def max_restarts(self) -> int:
+        return self.call.max_restarts
 
     @property
     def elapsed(self) -> float:
@@ -66,37 +112,32 @@ class CallSnapshot:
         return None
 
 
-class Observer(Protocol):
-    def on_start(self, snapshot: CallSnapshot) -> None: ...
-    def on_update(self, snapshot: CallSnapshot) -> None: ...
-    def on_end(self, snapshot: CallSnapshot) -> None: ...
-
-
 class CallState:
-    """The mutable state of one call; every change reaches the observers as a snapshot."""
+    """The changing state of one call's panel; every change is handed to ``on_change`` as a
+    new snapshot (the last one has ``final`` set; nothing changes after it)."""
 
     def __init__(
-        self, fn_name: str, run_id: str, max_restarts: int = 0, observers: Any = ()
+        self, call: CallIdentity, on_change: Callable[[CallSnapshot], None] | None = None
     ) -> None:
         self._lock = threading.Lock()
-        self._snap = CallSnapshot(fn_name, run_id, 0, time.time(), max_restarts=max_restarts)
-        self.observers: list[Observer] = list(observers)
+        self._snap = CallSnapshot(call, time.time())
+        self._on_change = on_change
         self._started = False
 
     @property
     def snapshot(self) -> CallSnapshot:
         return self._snap
 
-    def _set(self, event: str = "on_update", **changes: Any) -> None:
+    def _set(self, **changes: Any) -> None:
         with self._lock:
-            if self._snap.final is not None and event != "on_end":
+            if self._snap.final is not None:
                 return  # frozen: late lines of a teardown do not reopen the call
             self._snap = snap = replace(self._snap, **changes)
-        for obs in self.observers:
+        if self._on_change is not None:
             try:
-                getattr(obs, event)(snap)
-            except Exception:  # an observer's bug must never break the call
-                log.exception("gangrun observer %r failed in %s", obs, event)
+                self._on_change(snap)
+            except Exception:  # the panel's bug must never break the call
+                log.exception("gangrun panel failed on a change of %s", snap.run_id)
 
     def _rank(self, rank: int, **changes: Any) -> tuple[RankView, ...]:
         ranks = list(self._snap.ranks)
@@ -105,22 +146,20 @@ class CallState:
         return tuple(ranks)
 
     # -- told by the lifecycle -------------------------------------------------------
-    def starting(self, world_size: int, run_id: str = "") -> None:
+    def starting(self) -> None:
         """Before anything slow (MLflow run creation, the fork server): 'starting N ranks…'."""
         self._started = True
+        n = self._snap.world_size
         self._set(
-            "on_start",
-            run_id=run_id or self._snap.run_id,
-            world_size=world_size,
-            ranks=tuple(RankView(r) for r in range(world_size)),
-            message=f"starting {world_size} rank{'s' if world_size != 1 else ''}…",
+            ranks=tuple(RankView(r) for r in range(n)),
+            message=f"starting {n} rank{'s' if n != 1 else ''}…",
         )
 
     def tracking(self, run_id: str | None, uri: str | None, experiment_id: str | None) -> None:
         self._set(mlflow_run_id=run_id, tracking_uri=uri, experiment_id=experiment_id)
 
     def attempt_started(self, attempt: int) -> None:
-        ranks = tuple(RankView(r, "running") for r in range(self._snap.world_size))
+        ranks = tuple(RankView(r, RankState.RUNNING) for r in range(self._snap.world_size))
         self._set(attempt=attempt, ranks=ranks, message="running", resumed_from=None)
 
     def resumed(self, step: int) -> None:
@@ -134,7 +173,9 @@ class CallState:
             self._set(ranks=self._rank(rank, last_line=text[:MAX_LINE]))
 
     def rank_exit(self, rank: int, exitcode: int, stopped: bool = False) -> None:
-        state = "finished" if exitcode == 0 else ("stopped" if stopped else "failed")
+        state = RankState.FINISHED if exitcode == 0 else RankState.FAILED
+        if exitcode != 0 and stopped:
+            state = RankState.STOPPED
         self._set(ranks=self._rank(rank, state=state, exitcode=exitcode))
 
     def ended(self, status: str, error: BaseException | None = None) -> None:
@@ -143,19 +184,20 @@ class CallState:
             return  # failed before it started (a launch error): no panel to freeze
         root = getattr(error, "rank", None)
         ranks = []
+        ended = RankState.FINISHED if status == "FINISHED" else RankState.STOPPED
         for v in self._snap.ranks:
-            if v.rank == root and v.state != "finished":
-                v = replace(v, state="failed")
-            elif v.state in ("starting", "running"):
-                v = replace(v, state="finished" if status == "FINISHED" else "stopped")
-            elif v.state == "failed" and root is not None and v.rank != root:
-                v = replace(v, state="stopped")
+            if v.rank == root and v.state is not RankState.FINISHED:
+                v = replace(v, state=RankState.FAILED)
+            elif v.state in (RankState.STARTING, RankState.RUNNING):
+                v = replace(v, state=ended)
+            elif v.state is RankState.FAILED and root is not None and v.rank != root:
+                v = replace(v, state=RankState.STOPPED)
             ranks.append(v)
         message = "finished" if status == "FINISHED" else status.lower()
         if error is not None:
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             message = f"{type(error).__name__}: {first}"
-        self._set("on_end", final=status, ranks=tuple(ranks), message=message, ended_at=time.time())
+        self._set(final=status, ranks=tuple(ranks), message=message, ended_at=time.time())
 
 
-__all__ = ["CallSnapshot", "CallState", "Observer", "RankView", "STATES"]
+__all__ = ["CallIdentity", "CallSnapshot", "CallState", "RankState", "RankView", "STATES"]
