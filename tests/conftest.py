@@ -2,6 +2,17 @@
 
 Every test that starts rank processes is checked afterwards: no process that carries this
 test process as its gangrun caller (``GANGRUN_CALLER_PID``) may survive, descendants included.
+
+What a new test can lean on (see also ``tests/fakes.py``, the process-free stand-ins):
+
+- MLflow tracking is off for every test: the session sets ``GANGRUN_MLFLOW=0`` (the option's
+  ``GANGRUN_<OPTION>`` default, `gangrun.defaults`), so no call needs ``mlflow=False``. A test
+  of tracking turns it back on with ``@pytest.mark.mlflow`` (or ``pytestmark`` for a module):
+  the variable is unset for it, and for the processes it starts (kernels, ``gangrun run``).
+- `run_python`: a snippet in a fresh interpreter with this session's environment, bounded,
+  and nothing of it left running afterwards.
+- The unit tier (``tests/unit``) has a time budget: its durations are printed at the end of
+  a session, and the session fails when their sum exceeds `UNIT_BUDGET_S`.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from gangrun.defaults import env_var
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -52,6 +65,27 @@ os.environ.setdefault("RAY_TMPDIR", os.path.join(_SESSION_TMP, "ray"))
 os.environ["PYTHONPATH"] = str(SRC) + (
     os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
 )
+
+
+# ----------------------------------------------------------------------- MLflow off by default
+MLFLOW_VAR = env_var("mlflow")  # GANGRUN_MLFLOW: the default of the option ``mlflow``
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Here, not at import: ranks that import this module again keep their caller's setting.
+    os.environ[MLFLOW_VAR] = "0"
+    config.addinivalue_line(
+        "markers", "mlflow: the test tracks with MLflow (GANGRUN_MLFLOW is unset for it)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test (a module's kernel, too) starts a process."""
+    if item.get_closest_marker("mlflow") is not None:
+        os.environ.pop(MLFLOW_VAR, None)
+    else:
+        os.environ[MLFLOW_VAR] = "0"
 
 
 def run_processes(caller_pid: int | None = None) -> list[psutil.Process]:
@@ -102,6 +136,45 @@ def no_leaked_processes():
     assert_no_survivors()
 
 
+def run_python(
+    code: str,
+    *args: str,
+    env: dict[str, str | None] | None = None,
+    timeout: float = 60.0,
+    cwd: str | os.PathLike[str] | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (dedented) as ``python -c code args...`` in a fresh interpreter with this
+    session's environment (plus ``env``; a ``None`` value removes that variable), wait at
+    most ``timeout`` seconds, and assert that nothing it started through gangrun survives it.
+    Returns the finished process (``returncode``, ``stdout``, ``stderr``, as text); with
+    ``check`` a non-zero exit fails the test with its stderr."""
+    full = dict(os.environ)
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    cmd = [sys.executable, "-c", textwrap.dedent(code), *args]
+    proc = subprocess.Popen(
+        cmd, env=full, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        assert_no_survivors(proc.pid, wait=0.0)
+        raise AssertionError(
+            f"the fresh interpreter did not end within {timeout} s\n"
+            f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+        ) from None
+    assert_no_survivors(proc.pid)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n--- stderr\n{err[-3000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.fixture
 def script(tmp_path):
     """Write a caller script to a file and start it as its own Python process."""
@@ -142,3 +215,46 @@ def mlflow_store_created_once(request):
         MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).search_experiments(max_results=1)
         _store_ready = True
     yield
+
+
+# --------------------------------------------------------------------- the unit tier's budget
+# Seconds the whole of tests/unit may take (setup + call + teardown of every test, summed).
+# Measured 2026-12-01: 27.5 s (35 s wall) for 518 tests on a shared 2-core machine under
+# load; the budget leaves about 3x. Every session that runs unit tests prints the figure.
+UNIT_BUDGET_S = 90.0
+_unit_seconds: dict[str, float] = {}
+
+
+def _is_unit(nodeid: str) -> bool:
+    return "unit" in Path(nodeid.split("::", 1)[0]).parts
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _is_unit(report.nodeid):
+        _unit_seconds[report.nodeid] = _unit_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def _unit_total() -> float:
+    return sum(_unit_seconds.values())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _unit_total() > UNIT_BUDGET_S and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if not _unit_seconds:
+        return
+    total = _unit_total()
+    tr = terminalreporter
+    tr.write_sep("-", f"unit tier: {total:.1f} s of its {UNIT_BUDGET_S:.0f} s budget")
+    for nodeid, secs in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:8]:
+        tr.write_line(f"{secs:7.2f} s  {nodeid}")
+    if total > UNIT_BUDGET_S:
+        tr.write_line(
+            f"FAILED: the unit tier took {total:.1f} s, over its budget of {UNIT_BUDGET_S:.0f} s "
+            "(tests/conftest.py UNIT_BUDGET_S): make the slow tests above faster, or move a "
+            "test that needs processes to tests/system.",
+            red=True,
+        )

@@ -42,6 +42,7 @@ def test_bad_mlflow_options(kwargs, fragment):
         distributed(processes=1)(_noop).options(**kwargs)
 
 
+@pytest.mark.mlflow  # run_id= needs tracking on
 def test_good_mlflow_options():
     f = distributed(processes=1, experiment_name="e", run_name="r", run_id="abc", tags={"k": "v"})(
         _noop
