@@ -219,9 +219,9 @@ def mlflow_store_created_once(request):
 
 # --------------------------------------------------------------------- the unit tier's budget
 # Seconds the whole of tests/unit may take (setup + call + teardown of every test, summed).
-# Measured 2026-12-01: 27.5 s (35 s wall) for 518 tests on a shared 2-core machine under
-# load; the budget leaves about 3x. Every session that runs unit tests prints the figure.
-UNIT_BUDGET_S = 90.0
+# Measured 2026-12-01 on a shared 2-core machine under load: 27.5 s and 44.6 s (526 tests,
+# 35-54 s wall); the budget leaves well over 2x of the slower figure. Every session that runs unit tests prints the figure.
+UNIT_BUDGET_S = 120.0
 _unit_seconds: dict[str, float] = {}
 
 

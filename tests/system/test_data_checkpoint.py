@@ -49,7 +49,7 @@ def s3():
 
 
 def _gang(fn):
-    return gangrun.distributed(processes=2, mlflow=False, timeout=120)(fn)
+    return gangrun.distributed(processes=2, timeout=120)(fn)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from gangrun import distributed
 VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
         "MASTER_ADDR", "MASTER_PORT")
 
-@distributed(processes=2, mlflow=False, timeout=120)
+@distributed(processes=2, timeout=120)
 def train(num_epochs: int, batch_size: int):
     import torch, torch.distributed as dist, gangrun
     dist.init_process_group(gangrun.backend())
@@ -108,6 +108,7 @@ def _source_tags(tmp_path, script) -> dict[str, str]:
     return {k: v for k, v in runs[0].data.tags.items() if k.startswith("mlflow.source")}
 
 
+@pytest.mark.mlflow
 def test_cli_run_source_is_the_users_script_not_gangrun(tmp_path):
     # the commit of a script's own repository: tests/unit/test_first_steps_units.py
     pytest.importorskip("git")
@@ -127,7 +128,7 @@ import sys, time
 from gangrun import distributed
 from gangrun.notebook import warm
 
-@distributed(processes=2, mlflow=False, timeout=120)
+@distributed(processes=2, timeout=120)
 def first():
     return 1
 

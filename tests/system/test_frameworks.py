@@ -30,7 +30,7 @@ HALF = 4
 
 
 def _opts(fn):
-    return fn.options(processes=2, mlflow=False, timeout=180, output="rank0")
+    return fn.options(processes=2, timeout=180, output="rank0")
 
 
 def _check_trained(out: list[dict]) -> None:

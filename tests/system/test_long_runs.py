@@ -132,6 +132,7 @@ def _wait_for(cond, what, timeout=120.0):
 @pytest.mark.parametrize(
     ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
 )
+@pytest.mark.mlflow
 def test_rank_killed_at_random_step_restarted_by_max_restarts(
     framework, where, data, tmp_path, tmp_path_factory, request
 ):
@@ -184,6 +185,7 @@ def _caller(script, tmp_path, framework, data, where, block, so=None):
 @pytest.mark.parametrize(
     ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
 )
+@pytest.mark.mlflow
 def test_caller_killed_then_resumed_with_run_id(
     framework, where, data, tmp_path, tmp_path_factory, script, request
 ):
@@ -206,6 +208,7 @@ def test_caller_killed_then_resumed_with_run_id(
     ("framework", "how"),
     [("ddp", "cancel"), ("fsdp2", "sigterm-rank"), ("deepspeed", "sigterm-caller")],
 )
+@pytest.mark.mlflow
 def test_preempted_then_resumed(framework, how, data, tmp_path, tmp_path_factory, script):
     base = baseline(framework, data, tmp_path_factory)
     root, block = str(tmp_path / "ckpt"), EVERY + 1
@@ -244,6 +247,7 @@ def test_preempted_then_resumed(framework, how, data, tmp_path, tmp_path_factory
 
 
 # ---------------------------------------------------------------------- bad input, teardown
+@pytest.mark.mlflow
 def test_bad_checkpoint_locations_are_launch_errors(tmp_path, data):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -268,7 +272,7 @@ def stateless(where: str) -> None:
 
 
 def test_state_without_state_names_key_and_rank(tmp_path):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120)(stateless)
+    fn = gangrun.distributed(processes=2, timeout=120)(stateless)
     with pytest.raises(gangrun.DistributedError) as info:
         fn.distributed(str(tmp_path / "ckpt"))
     assert "state['lock']" in str(info.value) and "no state to save" in str(info.value)
@@ -290,7 +294,7 @@ def fail_while_peer_checkpoints(where: str) -> None:
 def test_teardown_is_immediate_with_a_checkpointer_active(tmp_path):
     # With grace_period=600 a rank that waited to checkpoint would outlive the test timeout:
     # the SIGTERM of the teardown must kill it at once, even while blocked in a collective.
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120, grace_period=600)(
+    fn = gangrun.distributed(processes=2, timeout=120, grace_period=600)(
         fail_while_peer_checkpoints
     )
     with pytest.raises(gangrun.DistributedError) as info:

@@ -17,7 +17,7 @@ mlflow = pytest.importorskip("mlflow")
 from kernelharness import Kernel, kernel_env  # noqa: E402
 from test_watch import cli, wait_listed  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 
 
 @pytest.fixture

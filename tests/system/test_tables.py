@@ -57,7 +57,7 @@ def _table(kind, where, s3, tmp_path):
 
 
 def _gang(fn):
-    return gangrun.distributed(processes=2, mlflow=False, timeout=180)(fn)
+    return gangrun.distributed(processes=2, timeout=180)(fn)
 
 
 def _flat(batches):

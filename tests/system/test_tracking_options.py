@@ -16,6 +16,8 @@ import pytest
 
 from gangrun import DistributedError, LaunchError, distributed
 
+pytestmark = pytest.mark.mlflow  # every test here tracks (conftest turns MLflow off)
+
 mlflow = pytest.importorskip("mlflow")
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def test_stacks_of_a_running_call_which_then_finishes_normally(tmp_path):
     flag = tmp_path / "stop"
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120)(watchfns.spin_until)
+    fn = gangrun.distributed(processes=2, timeout=120)(watchfns.spin_until)
     h = fn.submit(str(flag))
     deadline = time.monotonic() + 60
     while h.progress().ranks.keys() != {0, 1}:  # both ranks are in their loop
@@ -46,6 +46,7 @@ def test_stacks_of_a_running_call_which_then_finishes_normally(tmp_path):
     assert h.stacks() == {}  # nothing runs any more
 
 
+@pytest.mark.mlflow
 def test_progress_eta_slow_rank_and_final_values_on_mlflow(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -75,9 +76,9 @@ def test_progress_eta_slow_rank_and_final_values_on_mlflow(tmp_path, monkeypatch
 
 NARRATE = """
 import sys, gangrun, watchfns
-ok = gangrun.distributed(processes=2, mlflow=False, timeout=60)(watchfns.uneven)
+ok = gangrun.distributed(processes=2, timeout=60)(watchfns.uneven)
 ok.distributed(3)
-bad = gangrun.distributed(processes=2, mlflow=False, timeout=60)(watchfns.fail_on)
+bad = gangrun.distributed(processes=2, timeout=60)(watchfns.fail_on)
 try:
     bad.distributed(1)
 except gangrun.DistributedError as e:
@@ -173,6 +174,7 @@ sys.exit(cli.main(["stop", run_id]))
 """
 
 
+@pytest.mark.mlflow
 def test_ps_logs_stacks_stop_against_a_script_call(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))

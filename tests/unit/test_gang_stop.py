@@ -8,8 +8,8 @@ import os
 import signal
 
 import pytest
-from fakes import FakeSpawner, fake_process_gang
 
+from fakes import FakeSpawner, fake_process_gang
 from gangrun import platform
 from gangrun.errors import LaunchError
 from gangrun.rundir import RunDir
@@ -35,9 +35,7 @@ def _open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
-def test_ranks_that_honour_sigterm_end_by_it_then_the_tree_is_killed_and_swept(
-    tmp_path, sweeps
-):
+def test_ranks_that_honour_sigterm_end_by_it_then_the_tree_is_killed_and_swept(tmp_path, sweeps):
     sp = FakeSpawner()
     sweeps.append(sp.log)
     fg = fake_process_gang(tmp_path, sp, n=2, grace=30.0)
@@ -70,9 +68,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, 
     fg.close()
 
 
-def test_stop_after_every_rank_ended_sends_no_sigterm_but_still_kills_and_sweeps(
-    tmp_path, sweeps
-):
+def test_stop_after_every_rank_ended_sends_no_sigterm_but_still_kills_and_sweeps(tmp_path, sweeps):
     sp = FakeSpawner()
     sweeps.append(sp.log)
     fg = fake_process_gang(tmp_path, sp, n=2)

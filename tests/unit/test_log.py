@@ -52,7 +52,7 @@ def test_a_warning_inside_a_call_reaches_the_user():
     # a module's own logger (not get_logger), after a call configured the gangrun logger
     code = (
         "import logging, gangrun\n"
-        "f = gangrun.distributed(processes=1, mlflow=False, timeout=60)(lambda: 1)\n"
+        "f = gangrun.distributed(processes=1, timeout=60)(lambda: 1)\n"
         "h = f.submit(); h.result()\n"
         "logging.getLogger('gangrun.output').warning('rank 1: its log file is incomplete')\n"
         "logging.getLogger('gangrun.lifecycle').debug('a debug line')\n"
