@@ -20,7 +20,7 @@ import pytest
 import watchfns
 
 import gangrun
-from conftest import assert_no_survivors
+from conftest import assert_no_survivors, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -87,15 +87,9 @@ except gangrun.DistributedError as e:
 
 
 def test_debug_log_narrates_a_successful_and_a_failed_call(tmp_path):
-    env = dict(os.environ, GANGRUN_LOG_LEVEL="DEBUG")
-    env["PYTHONPATH"] = os.path.dirname(watchfns.__file__) + os.pathsep + env["PYTHONPATH"]
-    proc = subprocess.run(
-        [sys.executable, "-c", NARRATE],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    path = os.path.dirname(watchfns.__file__) + os.pathsep + os.environ["PYTHONPATH"]
+    proc = run_python(
+        NARRATE, env={"GANGRUN_LOG_LEVEL": "DEBUG", "PYTHONPATH": path}, cwd=tmp_path, timeout=120
     )
     err = proc.stderr
     assert proc.returncode == 0 and "FAILED AS EXPECTED" in err, err
@@ -336,10 +330,7 @@ def test_control_socket_refuses_a_peer_of_another_uid():
     os.chmod(tmp_path, 0o755)
     os.chmod(path, 0o666)
     try:
-        peer = subprocess.run(
-            [sys.executable, "-c", PEER, path], capture_output=True, text=True, timeout=60
-        )
-        assert peer.returncode == 0, peer.stderr
+        peer = run_python(PEER, path, check=True)
         reply = json.loads(peer.stdout)
         assert reply["ok"] is False and "another user" in reply["error"]
         assert cancelled == []

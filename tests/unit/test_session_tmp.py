@@ -3,10 +3,9 @@ starts (ranks importing ``conftest`` again to unpickle a test's function) make n
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_python
 
 TESTS = Path(__file__).resolve().parents[1]
 IMPORT_CONFTEST = (
@@ -15,17 +14,8 @@ IMPORT_CONFTEST = (
 
 
 def _import_conftest(tmp: Path, **extra: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "GANGRUN_TEST_SESSION_TMP"}
-    env.update(TMPDIR=str(tmp), **extra)
-    proc = subprocess.run(
-        [sys.executable, "-c", IMPORT_CONFTEST],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
+    env: dict[str, str | None] = {"GANGRUN_TEST_SESSION_TMP": None, "TMPDIR": str(tmp), **extra}
+    return run_python(IMPORT_CONFTEST, env=env, timeout=120, check=True).stdout.strip()
 
 
 def test_session_tmp_is_removed_when_the_session_exits(tmp_path):
