@@ -9,8 +9,8 @@ What a new test can lean on (see also ``tests/fakes.py``, the process-free stand
   ``GANGRUN_<OPTION>`` default, `gangrun.defaults`), so no call needs ``mlflow=False``. A test
   of tracking turns it back on with ``@pytest.mark.mlflow`` (or ``pytestmark`` for a module):
   the variable is unset for it, and for the processes it starts (kernels, ``gangrun run``).
-- `run_python`: a snippet in a fresh interpreter with this session's environment, bounded,
-  and nothing of it left running afterwards.
+- `run_python` (a snippet in a fresh interpreter) and `run_bounded` (any command, e.g.
+  ``python -m gangrun run``): this session's environment, bounded, nothing left running.
 - The unit tier (``tests/unit``) has a time budget: its durations are printed at the end of
   a session, and the session fails when their sum exceeds `UNIT_BUDGET_S`.
 """
@@ -26,6 +26,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -136,28 +137,29 @@ def no_leaked_processes():
     assert_no_survivors()
 
 
-def run_python(
-    code: str,
-    *args: str,
+def run_bounded(
+    cmd: list[str],
+    *,
     env: dict[str, str | None] | None = None,
     timeout: float = 60.0,
     cwd: str | os.PathLike[str] | None = None,
     check: bool = False,
+    merge_stderr: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` (dedented) as ``python -c code args...`` in a fresh interpreter with this
-    session's environment (plus ``env``; a ``None`` value removes that variable), wait at
-    most ``timeout`` seconds, and assert that nothing it started through gangrun survives it.
-    Returns the finished process (``returncode``, ``stdout``, ``stderr``, as text); with
-    ``check`` a non-zero exit fails the test with its stderr."""
+    """Run ``cmd`` to its end with this session's environment (plus ``env``; a ``None`` value
+    removes that variable), at most ``timeout`` seconds, and assert that nothing it started
+    through gangrun survives it. Returns the finished process (``returncode``, ``stdout``,
+    ``stderr`` as text; with ``merge_stderr`` both in ``stdout``); with ``check`` a non-zero
+    exit fails the test with its output."""
     full = dict(os.environ)
     for k, v in (env or {}).items():
         if v is None:
             full.pop(k, None)
         else:
             full[k] = v
-    cmd = [sys.executable, "-c", textwrap.dedent(code), *args]
+    err_to = subprocess.STDOUT if merge_stderr else subprocess.PIPE
     proc = subprocess.Popen(
-        cmd, env=full, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, env=full, cwd=cwd, stdout=subprocess.PIPE, stderr=err_to, text=True
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -166,13 +168,19 @@ def run_python(
         out, err = proc.communicate()
         assert_no_survivors(proc.pid, wait=0.0)
         raise AssertionError(
-            f"the fresh interpreter did not end within {timeout} s\n"
-            f"--- stdout\n{out[-3000:]}\n--- stderr\n{err[-3000:]}"
+            f"{cmd[:3]} did not end within {timeout} s\n"
+            f"--- stdout\n{out[-3000:]}\n--- stderr\n{(err or '')[-3000:]}"
         ) from None
     assert_no_survivors(proc.pid)
     if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}\n--- stderr\n{err[-3000:]}"
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{(err or '')[-3000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
+
+
+def run_python(code: str, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`run_bounded` of ``python -c code args...`` (``code`` dedented): a snippet in a fresh
+    interpreter."""
+    return run_bounded([sys.executable, "-c", textwrap.dedent(code), *args], **kw)
 
 
 @pytest.fixture

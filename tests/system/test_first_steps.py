@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import assert_no_survivors
+from conftest import assert_no_survivors, run_bounded
 
 pytestmark = pytest.mark.slow
 
@@ -60,18 +59,9 @@ def test_plain_call_is_a_world_of_one_twice(script):
 
 
 def _gangrun(tmp_path, *args, env=None):
-    env = dict(env or os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gangrun", *args],
-        cwd=str(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    out, err = proc.communicate(timeout=120)
-    assert_no_survivors(proc.pid)
-    return proc.returncode, out, err
+    cmd = [sys.executable, "-m", "gangrun", *args]
+    proc = run_bounded(cmd, env={**(env or {}), "TMPDIR": str(tmp_path)}, cwd=tmp_path, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 SILENT_DEATH = """

@@ -24,6 +24,7 @@ import pytest
 import gangrun
 from conftest import assert_no_survivors
 from gangrun import checkpoint
+from s3server import moto_s3
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -43,37 +44,8 @@ def data(tmp_path_factory):
 def s3():
     """A moto S3 server on 127.0.0.1 with bucket ``gangrun-ckpt``; fsspec in this process and
     in the ranks (they inherit the environment) reaches it by its config variables."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec.config
-    import s3fs
-
-    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = env["FSSPEC_S3_ENDPOINT_URL"]
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("gangrun-ckpt")
-    try:
-        yield "s3://gangrun-ckpt", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"]}
-    finally:
-        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with moto_s3("gangrun-ckpt", default_endpoint=True) as (endpoint, _):
+        yield "s3://gangrun-ckpt", {"endpoint_url": endpoint}
 
 
 def _train(**opts):

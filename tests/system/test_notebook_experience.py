@@ -14,23 +14,16 @@ pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 mlflow = pytest.importorskip("mlflow")
 
-from kernelharness import Kernel, kernel_env  # noqa: E402
+from kernelharness import Kernel, open_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def kernel(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = kernel_env(MLFLOW_TRACKING_URI=uri, HOME=str(tmp_path), MPLBACKEND="agg")
-    k = Kernel(env, str(tmp_path))
-    k.tracking_uri = uri
-    try:
-        k.execute("import time\nfrom gangrun import distributed")
+    setup = "import time\nfrom gangrun import distributed"
+    with open_kernel(tmp_path, str(tmp_path), setup, MPLBACKEND="agg") as k:
         yield k
-    finally:
-        left = k.shutdown()
-        assert not left, f"processes of the kernel survived its shutdown: {left}"
 
 
 def _panel_msgs(k: Kernel, msg_id: str) -> list[dict]:

@@ -20,7 +20,7 @@ import pytest
 import watchfns
 
 import gangrun
-from conftest import assert_no_survivors, run_python
+from conftest import assert_no_survivors, run_bounded, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -131,13 +131,7 @@ train_loop()
 
 
 def cli(*args, timeout=60, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "gangrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kw,
-    )
+    return run_bounded([sys.executable, "-m", "gangrun", *args], timeout=timeout, **kw)
 
 
 def wait_listed(pid, timeout=60):
