@@ -46,7 +46,7 @@ def run(reps: int) -> dict:
             with kernel(env, home) as kc:
                 execute_timed(kc, CELL_SETUP)
                 times["first_call_3s"] += execute_timed(kc, CELL_FIRST)
-                on, off = both_orders(  # 4 pairs
+                on, off = both_orders(  # 4 pairs, both orders
                     4,
                     lambda kc=kc: tuple(execute_timed(kc, CELL_WARM)),
                     lambda kc=kc: tuple(execute_timed(kc, CELL_WARM_SWAPPED)),

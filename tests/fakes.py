@@ -198,7 +198,7 @@ def fake_process_gang(
         log_dir=str(log_dir),
         grace_period=grace,
     )
-    pump, events = FakePump(), queue.Queue()
+    pump, events = FakePump(), queue.Queue[RankExit]()
     gang = ProcessGang(spec, pump, events, spawner)  # type: ignore[arg-type]
     if start:
         gang.start()
@@ -300,7 +300,7 @@ def supervisor(
         stderr=io.StringIO(),
         gang_factory=gang_factory,  # type: ignore[arg-type]
         planner=lambda f, opts: (Plan("fakerun", "fn", n), None),
-        pump_factory=lambda *a: FakePump(),
+        pump_factory=lambda *a: FakePump(),  # type: ignore[arg-type,return-value]
         observers=observers,
     )
 
