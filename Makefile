@@ -1,7 +1,10 @@
 # Two entry points for a fresh machine with only Python 3.10+:
 #   make demo   - train a small MLP with DDP on 2 CPU processes, show results and the MLflow run
 #   make test   - lint, type-check and the whole test suite (which also builds the docs with
-#                 warnings as errors and installs the wheel into a fresh venv)
+#                 warnings as errors and installs the wheel into a fresh venv); prints the
+#                 slowest tests, and fails when tests/unit exceeds its time budget
+#   make test-unit - the unit tier alone (no gangs, a few fresh interpreters): its durations and budget
+#                 (tests/conftest.py UNIT_BUDGET_S) are printed at the end
 #   make docs   - the documentation (MkDocs + mkdocstrings) into ./site, warnings as errors
 #   make dist   - wheel and sdist into ./dist
 PYTHON ?= python3
@@ -12,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: demo test test-fast soak lint typecheck bench venv clean docs dist
+.PHONY: demo test test-unit test-fast soak lint typecheck bench venv clean docs dist
 
 venv: $(STAMP)
 
@@ -30,7 +33,10 @@ test: $(STAMP)
 	$(PY) -m ruff check src tests examples bench
 	$(PY) -m ruff format --check src tests examples bench
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests/unit

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 
-from _common import main, median, ratio, summary
+from _common import main, report
 
 
 def ranks(gib: float, reps: int, where: str) -> dict:
@@ -121,27 +121,27 @@ def run(reps: int) -> dict:
         k: [max(r[k][i] for r in per_rank) for i in range(reps)]
         for k in ("blocked", "committed", "sync", "ts", "tsn", "restore", "load")
     }
-    m = {k: median(v) for k, v in worst.items()}
-    return {
-        "state_bytes_per_rank": per_rank[0]["bytes"],
-        "ranks": len(per_rank),
-        "results": {
-            "async_blocked": summary(worst["blocked"]),
-            "async_committed": summary(worst["committed"]),
-            "dcp_sync_save": summary(worst["sync"]),
-            "torch_save_fsync": summary(worst["ts"]),
-            "torch_save": summary(worst["tsn"]),
-            "restore": summary(worst["restore"]),
-            "torch_load": summary(worst["load"]),
-        },
-        "ratios": {
-            "async_blocked_vs_dcp_sync": ratio(m["blocked"], m["sync"]),
-            "async_blocked_vs_torch_save_fsync": ratio(m["blocked"], m["ts"]),
-            "async_blocked_vs_torch_save": ratio(m["blocked"], m["tsn"]),
-            "dcp_sync_vs_torch_save_fsync": ratio(m["sync"], m["ts"]),
-            "restore_vs_torch_load": ratio(m["restore"], m["load"]),
-        },
+    series = {
+        "async_blocked": worst["blocked"],
+        "async_committed": worst["committed"],
+        "dcp_sync_save": worst["sync"],
+        "torch_save_fsync": worst["ts"],
+        "torch_save": worst["tsn"],
+        "restore": worst["restore"],
+        "torch_load": worst["load"],
     }
+    res = report(
+        "checkpoint",
+        series,
+        {
+            "async_blocked_vs_dcp_sync": ("async_blocked", "dcp_sync_save"),
+            "async_blocked_vs_torch_save_fsync": ("async_blocked", "torch_save_fsync"),
+            "async_blocked_vs_torch_save": ("async_blocked", "torch_save"),
+            "dcp_sync_vs_torch_save_fsync": ("dcp_sync_save", "torch_save_fsync"),
+            "restore_vs_torch_load": ("restore", "torch_load"),
+        },
+    )
+    return {"state_bytes_per_rank": per_rank[0]["bytes"], "ranks": len(per_rank), **res}
 
 
 def gangrun_fn():

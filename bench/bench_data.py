@@ -20,42 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_moto(port: int) -> subprocess.Popen:
-    code = (
-        "from moto.server import ThreadedMotoServer; "
-        f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); "
-        "print('ready', flush=True); import sys; sys.stdin.read()"  # exits with its parent
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError("moto server did not start")
-    return proc
+from _common import free_port, start_moto  # also puts src/ on the path
 
 
 def _compare(
@@ -150,10 +120,10 @@ def main() -> None:
     _row("VolumeDataset epoch", t_ds, n, b)
     ratios["local dataset / raw"] = t_raw / t_ds
 
-    port = _free_port()
+    port = free_port()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    server = _start_moto(port)
+    server = start_moto(port)
     try:
         import s3fs
 

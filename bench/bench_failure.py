@@ -9,10 +9,9 @@ import glob
 import os
 import tempfile
 import time
-import uuid
 
 import workloads
-from _common import free_port, main, ratio, summary
+from _common import elastic_config, free_port, interleaved, main, report
 
 
 def _raised_at(d: str) -> float:
@@ -24,7 +23,7 @@ def _raised_at(d: str) -> float:
 
 def run(reps: int) -> dict:
     import torch.multiprocessing as mp
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     from gangrun import DistributedError, distributed
 
@@ -53,16 +52,7 @@ def run(reps: int) -> dict:
         raise AssertionError("no failure surfaced")
 
     def elastic(d):
-        cfg = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=2,
-            run_id=uuid.uuid4().hex,
-            rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{free_port()}",
-            max_restarts=0,
-            monitor_interval=0.1,
-        )
+        cfg = elastic_config()
         try:
             elastic_launch(cfg, workloads.failing)(d)
         except Exception:
@@ -78,25 +68,22 @@ def run(reps: int) -> dict:
     g.distributed  # noqa: B018
     with tempfile.TemporaryDirectory() as d0:  # warm the fork server
         gangrun_(d0)
-    times: dict[str, list[float]] = {k: [] for k in methods}
-    for _ in range(reps):
-        for name, fn in methods.items():
-            with tempfile.TemporaryDirectory() as d:
-                fn(d)
-                times[name].append(time.time() - _raised_at(d))
-            time.sleep(0.2)
-    med = {k: summary(v) for k, v in times.items()}
-    m = {k: v["median"] for k, v in med.items()}
-    return {
-        "name": "failure",
-        "unit": "s",
-        "results": med,
-        "ratios": {
-            "gangrun_vs_mp_spawn": ratio(m["gangrun"], m["mp_spawn"]),
-            "gangrun_vs_elastic_launch": ratio(m["gangrun"], m["elastic_launch"]),
-            "gangrun_spawn_vs_mp_spawn": ratio(m["gangrun_spawn"], m["mp_spawn"]),
+
+    def latency(fn) -> float:
+        with tempfile.TemporaryDirectory() as d:
+            fn(d)
+            return time.time() - _raised_at(d)
+
+    times = interleaved(reps, {k: (lambda fn=fn: latency(fn)) for k, fn in methods.items()})
+    return report(
+        "failure",
+        times,
+        {
+            "gangrun_vs_mp_spawn": ("gangrun", "mp_spawn"),
+            "gangrun_vs_elastic_launch": ("gangrun", "elastic_launch"),
+            "gangrun_spawn_vs_mp_spawn": ("gangrun_spawn", "mp_spawn"),
         },
-    }
+    )
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ before the background start).
 from __future__ import annotations
 
 import os
-import queue
 import tempfile
-import time
 
-from _common import main, ratio, summary
+from _common import both_orders, execute_timed, kernel, main, report
 
 CELL_SETUP = """\
 import time, torch, workloads
@@ -37,69 +35,34 @@ CELL_WARM_SWAPPED = (
 CELL_COLD = "forkserver.discard_server(); print('T', timed(f_off))"
 
 
-def _execute(kc, code: str, timeout: float = 300.0) -> list[float]:
-    msg_id = kc.execute(code)
-    out: list[float] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            msg = kc.get_iopub_msg(timeout=1)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        c = msg["content"]
-        if msg["msg_type"] == "stream":
-            out += [float(line.split()[1]) for line in c["text"].splitlines() if line[:2] == "T "]
-        elif msg["msg_type"] == "error":
-            raise RuntimeError(f"{c['ename']}: {c['evalue']}")
-        elif msg["msg_type"] == "status" and c["execution_state"] == "idle":
-            return out
-    raise TimeoutError(code)
-
-
 def run(reps: int) -> dict:
-    from jupyter_client.manager import KernelManager
-
     times: dict[str, list[float]] = {"first_call_3s": [], "warm": [], "warm_no_panel": []}
     # (the key keeps its name for the results file; the pause is FIRST_WAIT)
     times["cold"] = []
-    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as home:
+        env = dict(os.environ, HOME=home)
         env.setdefault("MPLBACKEND", "agg")
-        env["HOME"] = home
         for _ in range(reps):
-            km = KernelManager(kernel_name="python3")
-            km.start_kernel(env=env, cwd=home)
-            kc = km.blocking_client()
-            kc.start_channels()
-            try:
-                kc.wait_for_ready(timeout=60)
-                _execute(kc, CELL_SETUP)
-                times["first_call_3s"] += _execute(kc, CELL_FIRST)
-                for i in range(4):  # both orders, so neither variant always goes first
-                    if i % 2:
-                        off, on = _execute(kc, CELL_WARM_SWAPPED)
-                    else:
-                        on, off = _execute(kc, CELL_WARM)
-                    times["warm"].append(on)
-                    times["warm_no_panel"].append(off)
-                times["cold"] += _execute(kc, CELL_COLD)
-            finally:
-                kc.stop_channels()
-                km.shutdown_kernel(now=False)
-    med = {k: summary(v) for k, v in times.items()}
-    m = {k: v["median"] for k, v in med.items()}
-    return {
-        "name": "notebook",
-        "unit": "s",
-        "results": med,
-        "ratios": {
-            "first_vs_warm": ratio(m["first_call_3s"], m["warm"]),
-            "cold_vs_warm": ratio(m["cold"], m["warm"]),
-            "panel_on_vs_off": ratio(m["warm"], m["warm_no_panel"]),
+            with kernel(env, home) as kc:
+                execute_timed(kc, CELL_SETUP)
+                times["first_call_3s"] += execute_timed(kc, CELL_FIRST)
+                on, off = both_orders(  # 4 pairs, both orders
+                    4,
+                    lambda kc=kc: tuple(execute_timed(kc, CELL_WARM)),
+                    lambda kc=kc: tuple(execute_timed(kc, CELL_WARM_SWAPPED)),
+                )
+                times["warm"] += on
+                times["warm_no_panel"] += off
+                times["cold"] += execute_timed(kc, CELL_COLD)
+    return report(
+        "notebook",
+        times,
+        {
+            "first_vs_warm": ("first_call_3s", "warm"),
+            "cold_vs_warm": ("cold", "warm"),
+            "panel_on_vs_off": ("warm", "warm_no_panel"),
         },
-    }
+    )
 
 
 if __name__ == "__main__":

@@ -8,18 +8,15 @@ Methods are interleaved within each repetition so that machine noise hits all of
 
 from __future__ import annotations
 
-import time
-import uuid
-
 import workloads
-from _common import free_port, main, ratio, summary, timed
+from _common import elastic_config, free_port, interleaved, main, report, timed
 
 
 def run(reps: int) -> dict:
     import torch  # the warm parent, like a notebook that imported torch (never CUDA)
     import torch.multiprocessing as mp
     from accelerate import notebook_launcher
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     from gangrun import distributed
     from gangrun.launch import forkserver
@@ -34,16 +31,7 @@ def run(reps: int) -> dict:
         return g_fork.distributed()
 
     def elastic():
-        cfg = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=2,
-            run_id=uuid.uuid4().hex,
-            rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{free_port()}",
-            max_restarts=0,
-            monitor_interval=0.1,
-        )
+        cfg = elastic_config()
         return elastic_launch(cfg, workloads.relaunch_fn)()
 
     methods = {
@@ -57,26 +45,18 @@ def run(reps: int) -> dict:
         ),
     }
     g_fork.distributed()  # the warm state: a server exists
-    times: dict[str, list[float]] = {k: [] for k in methods}
-    for _ in range(reps):
-        for name, fn in methods.items():
-            dt, _ = timed(fn)
-            times[name].append(dt)
-            time.sleep(0.2)  # a notebook user does not relaunch within microseconds
-    med = {k: summary(v) for k, v in times.items()}
-    m = {k: v["median"] for k, v in med.items()}
-    return {
-        "name": "relaunch",
-        "unit": "s",
-        "results": med,
-        "ratios": {
-            "warm_vs_mp_spawn": ratio(m["gangrun_warm"], m["mp_spawn"]),
-            "warm_vs_accelerate": ratio(m["gangrun_warm"], m["accelerate_notebook_launcher"]),
-            "warm_vs_elastic_launch": ratio(m["gangrun_warm"], m["elastic_launch"]),
-            "cold_vs_mp_spawn": ratio(m["gangrun_cold"], m["mp_spawn"]),
-            "spawn_vs_mp_spawn": ratio(m["gangrun_spawn"], m["mp_spawn"]),
+    times = interleaved(reps, {k: (lambda fn=fn: timed(fn)[0]) for k, fn in methods.items()})
+    return report(
+        "relaunch",
+        times,
+        {
+            "warm_vs_mp_spawn": ("gangrun_warm", "mp_spawn"),
+            "warm_vs_accelerate": ("gangrun_warm", "accelerate_notebook_launcher"),
+            "warm_vs_elastic_launch": ("gangrun_warm", "elastic_launch"),
+            "cold_vs_mp_spawn": ("gangrun_cold", "mp_spawn"),
+            "spawn_vs_mp_spawn": ("gangrun_spawn", "mp_spawn"),
         },
-    }
+    )
 
 
 if __name__ == "__main__":

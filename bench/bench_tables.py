@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
 import table_ranks
-from _common import free_port, median, ratio, summary
+from _common import free_port, median, ratio, start_moto, summary
 
 BATCH = 4096
 WORKERS = 2
@@ -70,26 +68,6 @@ def _scan(paths: list[str]) -> tuple[float, float]:
     return dt, table_ranks.cpu_seconds() - c
 
 
-def _moto(port: int) -> subprocess.Popen:
-    code = (
-        "from moto.server import ThreadedMotoServer; "
-        f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); s.start(); "
-        "print('ready', flush=True); import sys; sys.stdin.read()"  # exits with its parent
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    if "ready" not in proc.stdout.readline():
-        proc.kill()
-        raise RuntimeError("moto server did not start")
-    return proc
-
-
 def _slowest(out: list[dict], cpu: dict[str, list[float]], key: str) -> float:
     """The slower rank's epoch seconds; notes the CPU seconds of both ranks (and workers)."""
     cpu.setdefault(key, []).append(sum(r["cpu"][-1] for r in out))
@@ -119,7 +97,7 @@ def run(reps: int, rows: int = 2_000_000, files: int = 8) -> dict:
 
         port = free_port()
         os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
-        server = _moto(port)
+        server = start_moto(port)
         import s3fs
 
         opts = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "bench", "secret": "bench"}

@@ -15,11 +15,10 @@
 from __future__ import annotations
 
 import os
-import queue
 import tempfile
 import time
 
-from _common import main, ratio, summary
+from _common import both_orders, execute_timed, kernel, main, ratio, report
 
 CELL_SETUP = """\
 import time, torch, gangrun
@@ -47,53 +46,19 @@ CELL_PAIR_SWAPPED = (
 )
 
 
-def _execute(kc, code: str, timeout: float = 300.0) -> list[float]:
-    msg_id = kc.execute(code)
-    out: list[float] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            msg = kc.get_iopub_msg(timeout=1)
-        except queue.Empty:
-            continue
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        c = msg["content"]
-        if msg["msg_type"] == "stream":
-            out += [float(line.split()[1]) for line in c["text"].splitlines() if line[:2] == "T "]
-        elif msg["msg_type"] == "error":
-            raise RuntimeError(f"{c['ename']}: {c['evalue']}")
-        elif msg["msg_type"] == "status" and c["execution_state"] == "idle":
-            return out
-    raise TimeoutError(code)
-
-
 def kernel_relaunch(reps: int) -> dict[str, list[float]]:
-    from jupyter_client.manager import KernelManager
-
-    times: dict[str, list[float]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory() as home:
         env = dict(os.environ, HOME=home, MPLBACKEND="agg")
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home}/mlflow.db"
         env["GANGRUN_PRELOAD"] = "torch,mlflow"  # ranks fork with mlflow imported (both variants)
-        km = KernelManager(kernel_name="python3")
-        km.start_kernel(env=env, cwd=home)
-        kc = km.blocking_client()
-        kc.start_channels()
-        try:
-            kc.wait_for_ready(timeout=60)
-            _execute(kc, CELL_SETUP)
-            for i in range(2 * reps):  # both orders, so neither variant always goes first
-                if i % 2:
-                    off, on = _execute(kc, CELL_PAIR_SWAPPED)
-                else:
-                    on, off = _execute(kc, CELL_PAIR)
-                times["on"].append(on)
-                times["off"].append(off)
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
-    return times
+        with kernel(env, home) as kc:
+            execute_timed(kc, CELL_SETUP)
+            on, off = both_orders(
+                2 * reps,
+                lambda: tuple(execute_timed(kc, CELL_PAIR)),
+                lambda: tuple(execute_timed(kc, CELL_PAIR_SWAPPED)),
+            )
+    return {"on": on, "off": off}
 
 
 def training_loop(reps: int, steps: int = 10_000) -> dict:
@@ -199,33 +164,31 @@ def run(reps: int) -> dict:
     loop = fn.distributed(max(5, reps))[0]
     kern = kernel_relaunch(reps)
     costs = panel_costs(reps)
-    res = {
-        "panel_read_8_reports_ms": summary(costs["read_ms"]),
-        "panel_redraw_8_ranks_ms": summary(costs["render_ms"]),
-        "chart_grid_12_charts_x_2000_values_ms": summary(costs["grid_ms"]),
-        "kernel_relaunch_on": summary(kern["on"]),
-        "kernel_relaunch_off": summary(kern["off"]),
-        "loop_10k_with_report": summary(loop["with"]),
-        "loop_10k_without": summary(loop["without"]),
-        "report_step_us": summary(loop["per_call_us"]),
-        "loop_10k_ratio_per_rep": summary(loop["pair_ratio"]),
+    series = {
+        "panel_read_8_reports_ms": costs["read_ms"],
+        "panel_redraw_8_ranks_ms": costs["render_ms"],
+        "chart_grid_12_charts_x_2000_values_ms": costs["grid_ms"],
+        "kernel_relaunch_on": kern["on"],
+        "kernel_relaunch_off": kern["off"],
+        "loop_10k_with_report": loop["with"],
+        "loop_10k_without": loop["without"],
+        "report_step_us": loop["per_call_us"],
+        "loop_10k_ratio_per_rep": loop["pair_ratio"],
     }
-    m = {k: v["median"] for k, v in res.items()}
-    return {
-        "name": "watch",
-        "unit": "s",
-        "results": res,
-        "ratios": {
-            "relaunch_progress_grid_on_vs_off": ratio(
-                m["kernel_relaunch_on"], m["kernel_relaunch_off"]
-            ),
-            "relaunch_on_vs_off_per_pair": _paired(kern["on"], kern["off"]),
-            "loop_report_vs_none": m["loop_10k_ratio_per_rep"],
-            "report_step_share_of_a_step": ratio(
-                m["report_step_us"] * 1e-6 * 10_000, m["loop_10k_without"]
-            ),
-        },
-    }
+    res = report(
+        "watch",
+        series,
+        {"relaunch_progress_grid_on_vs_off": ("kernel_relaunch_on", "kernel_relaunch_off")},
+    )
+    m = {k: v["median"] for k, v in res["results"].items()}
+    res["ratios"].update(
+        relaunch_on_vs_off_per_pair=_paired(kern["on"], kern["off"]),
+        loop_report_vs_none=m["loop_10k_ratio_per_rep"],
+        report_step_share_of_a_step=ratio(
+            m["report_step_us"] * 1e-6 * 10_000, m["loop_10k_without"]
+        ),
+    )
+    return res
 
 
 if __name__ == "__main__":

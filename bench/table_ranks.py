@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -39,6 +40,29 @@ def _count(loader: Any, lists: bool = False) -> int:
     return n
 
 
+def _timed_epochs(
+    epochs: int, setup: float, prepare: Callable[[int], Any], run: Callable[[Any], int]
+) -> dict[str, Any]:
+    """Per epoch (the ranks start each together): ``prepare(epoch)`` untimed, then the wall
+    and CPU seconds of ``run(prepared)`` (which returns the rows it read) and of dropping
+    what ``prepare`` made."""
+    dist = _dist()
+    times: list[float] = []
+    cpu: list[float] = []
+    rows = 0
+    for epoch in range(epochs):
+        dist.barrier()
+        prepared = prepare(epoch)
+        t, c = time.perf_counter(), cpu_seconds()
+        rows = run(prepared)
+        del prepared  # a loader made there is gone: its workers joined, their CPU counted
+        times.append(time.perf_counter() - t)
+        cpu.append(cpu_seconds() - c)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}
+
+
 def table_epochs(
     source: str,
     opts: dict,
@@ -59,25 +83,21 @@ def table_epochs(
         source, storage_options=opts, cache_dir=cache_dir, batch_size=batch_size, output=output
     )
     setup = time.perf_counter() - t
-    times: list[float] = []
-    cpu: list[float] = []
-    rows = 0
-    for epoch in range(epochs):
-        dist.barrier()
+
+    def prepare(epoch: int) -> None:
         if cold and dist.get_rank() == 0:
             shutil.rmtree(cache_dir, ignore_errors=True)
             os.sync()
         dist.barrier()
         ds.set_epoch(epoch)
-        t, c = time.perf_counter(), cpu_seconds()
+
+    def run(_: None) -> int:
         loader = ds.loader(num_workers=workers)
         rows = _count(loader)
         del loader  # workers joined: their CPU time is counted
-        times.append(time.perf_counter() - t)
-        cpu.append(cpu_seconds() - c)
-    dist.barrier()
-    dist.destroy_process_group()
-    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}
+        return rows
+
+    return _timed_epochs(epochs, setup, prepare, run)
 
 
 def hf_epochs(
@@ -96,20 +116,14 @@ def hf_epochs(
     ds = load_dataset("parquet", data_files=files, streaming=True, split="train")
     ds = split_dataset_by_node(ds, rank=dist.get_rank(), world_size=dist.get_world_size())
     setup = time.perf_counter() - t
-    times: list[float] = []
-    cpu: list[float] = []
-    rows = 0
-    for epoch in range(epochs):
-        dist.barrier()
+
+    def prepare(epoch: int) -> Any:
         ds.set_epoch(epoch)
-        loader = torch.utils.data.DataLoader(
+        return torch.utils.data.DataLoader(
             ds.with_format(fmt).batch(batch_size), batch_size=None, num_workers=workers
         )
-        t, c = time.perf_counter(), cpu_seconds()
-        rows = _count(loader, lists=fmt == "arrow")
-        del loader
-        times.append(time.perf_counter() - t)
-        cpu.append(cpu_seconds() - c)
-    dist.barrier()
-    dist.destroy_process_group()
-    return {"times": times, "cpu": cpu, "rows": rows, "setup": setup}
+
+    def run(loader: Any) -> int:
+        return _count(loader, lists=fmt == "arrow")
+
+    return _timed_epochs(epochs, setup, prepare, run)

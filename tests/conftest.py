@@ -2,6 +2,17 @@
 
 Every test that starts rank processes is checked afterwards: no process that carries this
 test process as its gangrun caller (``GANGRUN_CALLER_PID``) may survive, descendants included.
+
+What a new test can lean on (see also ``tests/fakes.py``, the process-free stand-ins):
+
+- MLflow tracking is off for every test: the session sets ``GANGRUN_MLFLOW=0`` (the option's
+  ``GANGRUN_<OPTION>`` default, `gangrun.defaults`), so no call needs ``mlflow=False``. A test
+  of tracking turns it back on with ``@pytest.mark.mlflow`` (or ``pytestmark`` for a module):
+  the variable is unset for it, and for the processes it starts (kernels, ``gangrun run``).
+- `run_python` (a snippet in a fresh interpreter) and `run_bounded` (any command, e.g.
+  ``python -m gangrun run``): this session's environment, bounded, nothing left running.
+- The unit tier (``tests/unit``) has a time budget: its durations are printed at the end of
+  a session, and the session fails when their sum exceeds `UNIT_BUDGET_S`.
 """
 
 from __future__ import annotations
@@ -15,9 +26,12 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+
+from gangrun.defaults import env_var
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -52,6 +66,27 @@ os.environ.setdefault("RAY_TMPDIR", os.path.join(_SESSION_TMP, "ray"))
 os.environ["PYTHONPATH"] = str(SRC) + (
     os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
 )
+
+
+# ----------------------------------------------------------------------- MLflow off by default
+MLFLOW_VAR = env_var("mlflow")  # GANGRUN_MLFLOW: the default of the option ``mlflow``
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Here, not at import: ranks that import this module again keep their caller's setting.
+    os.environ[MLFLOW_VAR] = "0"
+    config.addinivalue_line(
+        "markers", "mlflow: the test tracks with MLflow (GANGRUN_MLFLOW is unset for it)"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test (a module's kernel, too) starts a process."""
+    if item.get_closest_marker("mlflow") is not None:
+        os.environ.pop(MLFLOW_VAR, None)
+    else:
+        os.environ[MLFLOW_VAR] = "0"
 
 
 def run_processes(caller_pid: int | None = None) -> list[psutil.Process]:
@@ -102,6 +137,52 @@ def no_leaked_processes():
     assert_no_survivors()
 
 
+def run_bounded(
+    cmd: list[str],
+    *,
+    env: dict[str, str | None] | None = None,
+    timeout: float = 60.0,
+    cwd: str | os.PathLike[str] | None = None,
+    check: bool = False,
+    merge_stderr: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to its end with this session's environment (plus ``env``; a ``None`` value
+    removes that variable), at most ``timeout`` seconds, and assert that nothing it started
+    through gangrun survives it. Returns the finished process (``returncode``, ``stdout``,
+    ``stderr`` as text; with ``merge_stderr`` both in ``stdout``); with ``check`` a non-zero
+    exit fails the test with its output."""
+    full = dict(os.environ)
+    for k, v in (env or {}).items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    err_to = subprocess.STDOUT if merge_stderr else subprocess.PIPE
+    proc = subprocess.Popen(
+        cmd, env=full, cwd=cwd, stdout=subprocess.PIPE, stderr=err_to, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        assert_no_survivors(proc.pid, wait=0.0)
+        raise AssertionError(
+            f"{cmd[:3]} did not end within {timeout} s\n"
+            f"--- stdout\n{out[-3000:]}\n--- stderr\n{(err or '')[-3000:]}"
+        ) from None
+    assert_no_survivors(proc.pid)
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{(err or '')[-3000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err or "")
+
+
+def run_python(code: str, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`run_bounded` of ``python -c code args...`` (``code`` dedented): a snippet in a fresh
+    interpreter."""
+    return run_bounded([sys.executable, "-c", textwrap.dedent(code), *args], **kw)
+
+
 @pytest.fixture
 def script(tmp_path):
     """Write a caller script to a file and start it as its own Python process."""
@@ -142,3 +223,58 @@ def mlflow_store_created_once(request):
         MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).search_experiments(max_results=1)
         _store_ready = True
     yield
+
+
+# --------------------------------------------------------------------- the unit tier's budget
+# Seconds the whole of tests/unit may take (setup + call + teardown of every test, summed).
+# Measured 2026-12-01 on a shared 2-core machine under load: 27.5 s and 44.6 s (526 tests,
+# 35-54 s wall); the budget leaves well over 2x of the slower figure. Every session that runs unit tests prints the figure.
+UNIT_BUDGET_S = 120.0
+_unit_seconds: dict[str, float] = {}
+
+
+def _is_unit(nodeid: str) -> bool:
+    return "unit" in Path(nodeid.split("::", 1)[0]).parts
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _is_unit(report.nodeid):
+        _unit_seconds[report.nodeid] = _unit_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def _unit_total() -> float:
+    return sum(_unit_seconds.values())
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--unit-budget",
+        type=float,
+        default=UNIT_BUDGET_S,
+        help="seconds the tests under tests/unit may take in all (their durations summed); "
+        f"the session fails past it (default {UNIT_BUDGET_S:g})",
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    budget = session.config.getoption("--unit-budget")
+    if _unit_total() > budget and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    if not _unit_seconds:
+        return
+    budget = config.getoption("--unit-budget")
+    total = _unit_total()
+    tr = terminalreporter
+    tr.write_sep("-", f"unit tier: {total:.1f} s of its {budget:g} s budget")
+    for nodeid, secs in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:8]:
+        tr.write_line(f"{secs:7.2f} s  {nodeid}")
+    if total > budget:
+        tr.write_line(
+            f"FAILED: the unit tier took {total:.1f} s, over its budget of {budget:g} s "
+            "(tests/conftest.py UNIT_BUDGET_S): make the slow tests above faster, or move a "
+            "test that needs processes to tests/system.",
+            red=True,
+        )

@@ -23,7 +23,6 @@ HERE = Path(__file__).resolve().parent
 
 def _fn(func, **kw):
     kw.setdefault("processes", 2)
-    kw.setdefault("mlflow", False)
     kw.setdefault("timeout", 90)
     return gangrun.distributed(**kw)(func)
 
@@ -62,7 +61,7 @@ def test_item2_stale_reaping_only_for_this_host_and_pid_namespace(script, tmp_pa
         f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
         import gangrun, rel_funcs
-        f = gangrun.distributed(processes=1, mlflow=False, timeout=60)(rel_funcs.tagged)
+        f = gangrun.distributed(processes=1, timeout=60)(rel_funcs.tagged)
         print("RESULT", [r["tag"] for r in f.distributed("a", 0.0)])
         """,
         env={"TMPDIR": str(tmp)},
@@ -101,7 +100,7 @@ def test_item4_forked_child_exits_at_once_and_leaves_the_call_alone(script):
         import os, sys, time
         sys.path.insert(0, {str(HERE)!r})
         import gangrun, rel_funcs
-        f = gangrun.distributed(processes=2, mlflow=False, timeout=60)(rel_funcs.tagged)
+        f = gangrun.distributed(processes=2, timeout=60)(rel_funcs.tagged)
         h = f.submit("p", 2.0)
         t = time.monotonic()
         pid = os.fork()
@@ -128,7 +127,7 @@ def test_item5_error_record_is_authoritative_with_sigchld_ignored(script):
         sys.path.insert(0, {str(HERE)!r})
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)
         import gangrun, rel_funcs
-        f = gangrun.distributed(processes=2, mlflow=False, timeout=60, start_method="spawn")(
+        f = gangrun.distributed(processes=2, timeout=60, start_method="spawn")(
             rel_funcs.raise_on_rank1
         )
         try:
@@ -191,7 +190,7 @@ def test_item11_deleted_working_directory(script, tmp_path):
         sys.path.insert(0, {str(HERE)!r})
         import gangrun, rel_funcs
         os.mkdir("gone"); os.chdir("gone"); os.rmdir(os.path.abspath("."))
-        f = gangrun.distributed(processes=2, mlflow=False, timeout=60)(rel_funcs.tagged)
+        f = gangrun.distributed(processes=2, timeout=60)(rel_funcs.tagged)
         try:
             f.distributed("x", 0.0)
         except gangrun.LaunchError as e:

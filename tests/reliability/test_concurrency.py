@@ -19,7 +19,7 @@ from gangrun.accelerators import Accelerator
 
 
 def test_concurrent_submits_run_side_by_side():
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(rel_funcs.tagged)
+    fn = gangrun.distributed(processes=2, timeout=60)(rel_funcs.tagged)
     handles: dict[int, gangrun.RunHandle] = {}
 
     def go(i: int) -> None:
@@ -58,7 +58,7 @@ def fake_gpus(monkeypatch, tmp_path):
 
 
 def test_concurrent_gpu_calls_never_share_a_gpu(fake_gpus):
-    fn = gangrun.distributed(gpus=2, mlflow=False, timeout=60)(rel_funcs.visible_devices)
+    fn = gangrun.distributed(gpus=2, timeout=60)(rel_funcs.visible_devices)
     h1 = fn.submit(1.5)
     h2 = fn.submit(1.5)
     # all four busy: a third call fails clearly at once by default (gpu_wait=0)
@@ -81,15 +81,13 @@ def test_concurrent_gpu_calls_never_share_a_gpu(fake_gpus):
 
 def test_gpu_wait_times_out_clearly(fake_gpus):
     with reservation.reserve(fake_gpus, 3, wait=0):
-        fn = gangrun.distributed(gpus=2, mlflow=False, gpu_wait=0.5)(rel_funcs.visible_devices)
+        fn = gangrun.distributed(gpus=2, gpu_wait=0.5)(rel_funcs.visible_devices)
         t0 = time.monotonic()
         with pytest.raises(LaunchError, match="after waiting 0.5s"):
             fn.distributed(0.0)
         assert 0.4 < time.monotonic() - t0 < 3.0
         # one GPU is free: a 1-GPU call gets exactly that one
-        assert gangrun.distributed(gpus=1, mlflow=False)(rel_funcs.visible_devices).distributed(
-            0.0
-        ) == ["3"]
+        assert gangrun.distributed(gpus=1)(rel_funcs.visible_devices).distributed(0.0) == ["3"]
 
 
 def test_bad_gpu_wait_is_rejected():

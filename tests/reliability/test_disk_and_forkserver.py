@@ -32,7 +32,7 @@ def _wait_for(paths, timeout: float = 60.0) -> None:
 
 # ---------------------------------------------------------------- item 4: a dead fork server
 def test_item4_fork_server_killed_mid_call_is_not_blamed_on_a_rank(tmp_path):
-    opts = {"processes": 2, "mlflow": False, "start_method": "forkserver", "timeout": 60}
+    opts = {"processes": 2, "start_method": "forkserver", "timeout": 60}
     fn = gangrun.distributed(**opts)(reports_pid_and_sleeps)
     handle = fn.submit(str(tmp_path))
     _wait_for([tmp_path / "pid.0", tmp_path / "pid.1"])
@@ -80,7 +80,7 @@ def small_disk(tmp_path, monkeypatch):
 
 
 def test_item3_result_too_big_for_the_disk_says_so(small_disk):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(returns_bytes)
+    fn = gangrun.distributed(processes=2, timeout=60)(returns_bytes)
     with pytest.raises(DistributedError) as caught:
         fn.distributed(8 << 20)
     err = caught.value
@@ -95,7 +95,7 @@ def test_item3_result_too_big_for_the_disk_says_so(small_disk):
 
 
 def test_item3_payload_too_big_for_the_disk_is_a_launch_error(small_disk):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(quick)
+    fn = gangrun.distributed(processes=2, timeout=60)(quick)
     with pytest.raises(LaunchError) as caught:
         fn.distributed(b"p" * (4 << 20))
     msg = str(caught.value)
@@ -108,9 +108,7 @@ def test_item3_payload_too_big_for_the_disk_is_a_launch_error(small_disk):
 
 
 def test_item3_no_room_for_the_error_record_still_names_the_full_disk(small_disk):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60, output="none")(
-        fills_then_raises
-    )
+    fn = gangrun.distributed(processes=2, timeout=60, output="none")(fills_then_raises)
     with pytest.raises(DistributedError) as caught:
         fn.distributed()
     err = caught.value

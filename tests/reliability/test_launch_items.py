@@ -44,7 +44,7 @@ def _sleep_then_hash(path: str, seconds: float) -> int:
 def test_other_startup_env_does_not_kill_a_running_call(tmp_path):
     """Item 1: call B with PYTHONHASHSEED=0 starts while call A runs on the fork server;
     on the old main B restarted the server and A died as 'killed by SIGKILL'."""
-    opts = dict(processes=2, mlflow=False, start_method="forkserver", timeout=120)
+    opts = dict(processes=2, start_method="forkserver", timeout=120)
     fn = distributed(**opts)(_sleep_then_hash)
     a = fn.submit(str(tmp_path / "a"), 3.0)
     for r in range(2):
@@ -78,7 +78,7 @@ def _start_helper_and(pid_path: str, end: str) -> str:
 @pytest.mark.parametrize("end", ["return", "raise"])
 def test_detached_helper_does_not_outlive_the_call(tmp_path, method, end):
     """Item 10: a helper in its own session with its own env outlived a normal call."""
-    fn = distributed(processes=2, mlflow=False, start_method=method, timeout=60)(_start_helper_and)
+    fn = distributed(processes=2, start_method=method, timeout=60)(_start_helper_and)
     path = str(tmp_path / "helper")
     if end == "return":
         assert fn.distributed(path, end) == ["done", "done"]
@@ -93,9 +93,7 @@ def test_helper_of_a_killed_forkserver_rank_dies_too(tmp_path):
     """Item 10, fork server: the server is the subreaper of a SIGKILLed rank's orphans."""
     from gangrun import DistributedError
 
-    fn = distributed(processes=2, mlflow=False, start_method="forkserver", timeout=60)(
-        _start_helper_and
-    )
+    fn = distributed(processes=2, start_method="forkserver", timeout=60)(_start_helper_and)
     path = str(tmp_path / "helper")
     with pytest.raises(DistributedError) as info:
         fn.distributed(path, "sigkill")
@@ -121,7 +119,7 @@ def test_native_printf_arrives(capfd, monkeypatch, method):
 
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     forkserver.discard_server()  # a server started without it
-    fn = distributed(processes=2, mlflow=False, start_method=method, timeout=60)(_printf_native)
+    fn = distributed(processes=2, start_method=method, timeout=60)(_printf_native)
     assert fn.distributed(3) == [3, 3]
     out = capfd.readouterr().out
     for r in range(2):
@@ -133,7 +131,7 @@ def test_native_printf_arrives(capfd, monkeypatch, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_huge_env_value_is_a_launch_error(method, tmp_path):
     """Item 14: a 1 MiB variable raised a raw OSError E2BIG with spawn."""
-    fn = distributed(processes=2, mlflow=False, start_method=method, timeout=60)(os.getpid)
+    fn = distributed(processes=2, start_method=method, timeout=60)(os.getpid)
     with pytest.raises(LaunchError) as info:
         fn.options(env={"GANGRUN_TEST_BIG": "x" * (1 << 20)}).distributed()
     msg = str(info.value)
@@ -145,7 +143,7 @@ CALLER_FORKS = """
 import os, sys, time
 from gangrun import distributed
 
-@distributed(processes=2, mlflow=False, start_method=sys.argv[2], timeout=300)
+@distributed(processes=2, start_method=sys.argv[2], timeout=300)
 def sleeper(path):
     with open(f"{path}.{os.environ['RANK']}", "w") as f:
         f.write(str(os.getpid()))
@@ -203,7 +201,7 @@ def test_ctrl_c_while_waiting_for_the_fork_server_keeps_its_channel_in_sync(monk
 
     from gangrun.launch.forkserver import protocol
 
-    fn = distributed(processes=3, mlflow=False, timeout=60, start_method="forkserver")(_rank)
+    fn = distributed(processes=3, timeout=60, start_method="forkserver")(_rank)
     assert fn.distributed() == [0, 1, 2]  # the server is warm
     real = protocol.recv
     armed = {"on": True}

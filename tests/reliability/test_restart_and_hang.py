@@ -18,9 +18,7 @@ def test_restart_after_rank_killed_mid_training_matches_uninterrupted(tmp_path, 
     clean_dir, faulty_dir = tmp_path / "clean", tmp_path / "faulty"
     clean_dir.mkdir()
     faulty_dir.mkdir()
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=180, max_restarts=1)(
-        rel_funcs.train
-    )
+    fn = gangrun.distributed(processes=2, timeout=180, max_restarts=1)(rel_funcs.train)
     clean = fn.distributed(str(clean_dir), steps, None)
     assert [r["attempt"] for r in clean] == [0, 0]
     h = fn.submit(str(faulty_dir), steps, 3)
@@ -35,9 +33,9 @@ def test_restart_after_rank_killed_mid_training_matches_uninterrupted(tmp_path, 
 
 
 def test_restarts_exhausted_reports_the_last_failure(capfd):
-    fn = gangrun.distributed(
-        processes=2, mlflow=False, timeout=120, max_restarts=2, restart_backoff=0.1
-    )(rel_funcs.always_fail)
+    fn = gangrun.distributed(processes=2, timeout=120, max_restarts=2, restart_backoff=0.1)(
+        rel_funcs.always_fail
+    )
     with pytest.raises(DistributedError, match="attempt 2 failed") as ei:
         fn.distributed()
     assert isinstance(ei.value.__cause__, ConnectionResetError)
@@ -47,7 +45,7 @@ def test_restarts_exhausted_reports_the_last_failure(capfd):
 
 
 def test_hang_guard_reports_silent_ranks_with_stacks():
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120, hang_timeout=4.0)(
+    fn = gangrun.distributed(processes=2, timeout=120, hang_timeout=4.0)(
         rel_funcs.stuck_in_collective
     )
     t0 = time.monotonic()
@@ -65,9 +63,7 @@ def test_hang_guard_reports_silent_ranks_with_stacks():
 
 @pytest.mark.parametrize("how", ["heartbeat", "print"])
 def test_hang_guard_leaves_progressing_ranks_alone(how):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60, hang_timeout=1.0)(
-        rel_funcs.quiet_but_beating
-    )
+    fn = gangrun.distributed(processes=2, timeout=60, hang_timeout=1.0)(rel_funcs.quiet_but_beating)
     counts = fn.distributed(3.0, how)
     assert all(c > 10 for c in counts)
 

@@ -33,9 +33,9 @@ def _attempts(log) -> list[tuple[int, float]]:
 
 def test_the_same_exception_at_the_same_line_runs_two_attempts(tmp_path):
     log = tmp_path / "attempts"
-    fn = gangrun.distributed(
-        processes=2, mlflow=False, timeout=120, max_restarts=3, restart_backoff=0.2
-    )(rel_funcs.same_line_after_a_step)
+    fn = gangrun.distributed(processes=2, timeout=120, max_restarts=3, restart_backoff=0.2)(
+        rel_funcs.same_line_after_a_step
+    )
     with pytest.raises(DistributedError) as ei:
         fn.distributed(str(log))
     assert [a for a, _ in _attempts(log)] == [0, 1]  # not retried a second time
@@ -50,7 +50,7 @@ def test_the_same_exception_at_the_same_line_runs_two_attempts(tmp_path):
 
 def test_an_import_error_before_any_progress_runs_once(tmp_path, capfd):
     log = tmp_path / "attempts"
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120, max_restarts=3)(
+    fn = gangrun.distributed(processes=2, timeout=120, max_restarts=3)(
         rel_funcs.import_before_progress
     )
     with pytest.raises(DistributedError) as ei:
@@ -63,6 +63,7 @@ def test_an_import_error_before_any_progress_runs_once(tmp_path, capfd):
     assert "Restarting" not in capfd.readouterr().err
 
 
+@pytest.mark.mlflow
 def test_a_killed_rank_is_retried_with_back_off_in_one_mlflow_run(tmp_path, monkeypatch, caplog):
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -133,9 +134,9 @@ def _wait_for_the_back_off(timeout: float = 120.0):
 
 def test_a_cancel_during_the_back_off_ends_the_call_promptly(tmp_path):
     log = tmp_path / "attempts"
-    fn = gangrun.distributed(
-        processes=2, mlflow=False, timeout=180, max_restarts=3, restart_backoff=120
-    )(rel_funcs.killed_after_a_step)
+    fn = gangrun.distributed(processes=2, timeout=180, max_restarts=3, restart_backoff=120)(
+        rel_funcs.killed_after_a_step
+    )
     h = fn.submit(str(log))
     _wait_for_the_back_off()
     assert not run_processes()  # nothing runs during the back-off
@@ -151,9 +152,9 @@ def test_a_cancel_during_the_back_off_ends_the_call_promptly(tmp_path):
 
 def test_an_interrupt_during_the_back_off_ends_the_call_promptly(tmp_path):
     log = tmp_path / "attempts"
-    fn = gangrun.distributed(
-        processes=2, mlflow=False, timeout=180, max_restarts=3, restart_backoff=120
-    )(rel_funcs.killed_after_a_step)
+    fn = gangrun.distributed(processes=2, timeout=180, max_restarts=3, restart_backoff=120)(
+        rel_funcs.killed_after_a_step
+    )
     when: list[float] = []
     seen: list = []
 

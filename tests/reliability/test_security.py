@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "gangrun"
 
 
 def test_run_dir_and_files_are_private():
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(rel_funcs.private_files)
+    fn = gangrun.distributed(processes=2, timeout=60)(rel_funcs.private_files)
     h = fn.submit()
     modes = h.result(60)[0]
     assert modes["."] == 0o700
@@ -31,7 +31,7 @@ def test_run_dir_and_files_are_private():
 
 
 def test_results_are_not_unpickled_from_a_dir_others_can_reach():
-    fn = gangrun.distributed(processes=1, mlflow=False, timeout=60)(rel_funcs.open_up_run_dir)
+    fn = gangrun.distributed(processes=1, timeout=60)(rel_funcs.open_up_run_dir)
     with pytest.raises(DistributedError, match="could not be loaded") as ei:
         fn.distributed()
     assert ei.value.rank == 0
@@ -71,9 +71,7 @@ def test_load_private_refuses_unsafe_paths(tmp_path):
 def test_user_strings_reach_ranks_verbatim_without_a_shell(tmp_path):
     marker = tmp_path / "pwned"
     nasty = f"$(touch {marker}); `touch {marker}` && echo 'x' \"y\" | tee {marker} # \\ \n end"
-    fn = gangrun.distributed(processes=1, mlflow=False, timeout=60, env={"SOAK_ECHO": nasty})(
-        rel_funcs.echo
-    )
+    fn = gangrun.distributed(processes=1, timeout=60, env={"SOAK_ECHO": nasty})(rel_funcs.echo)
     got = fn.distributed(nasty)[0]
     assert got["arg"] == nasty and got["env"] == nasty
     assert not marker.exists()
@@ -88,7 +86,7 @@ def test_no_shell_in_the_launcher_source():
 
 @pytest.mark.slow
 def test_rendezvous_on_loopback():
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120)(rel_funcs.listening_sockets)
+    fn = gangrun.distributed(processes=2, timeout=120)(rel_funcs.listening_sockets)
     for r in fn.distributed():
         assert r["master_addr"] == "127.0.0.1" and r["ifname"] == "lo"
         # gloo's own sockets are on loopback; torch's TCPStore (rank 0, MASTER_PORT) binds the
@@ -113,7 +111,7 @@ def test_log_dir_planted_by_another_user_is_refused_end_to_end(tmp_path):
     (shared / "logs").symlink_to(theirs)
     os.lchown(shared / "logs", 65534, 65534)  # the link is theirs too
     before = set(os.listdir(tempfile.gettempdir()))
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60, log_dir=str(shared / "logs"))
+    fn = gangrun.distributed(processes=2, timeout=60, log_dir=str(shared / "logs"))
     with pytest.raises(gangrun.LaunchError, match="symlink|owned by"):
         fn(rel_funcs.private_files).distributed()
     assert os.listdir(theirs) == []
@@ -128,9 +126,7 @@ def test_created_log_dir_is_private(tmp_path):
     whatever the umask."""
     old = os.umask(0o022)
     try:
-        fn = gangrun.distributed(
-            processes=1, mlflow=False, timeout=60, log_dir=str(tmp_path / "a" / "b")
-        )
+        fn = gangrun.distributed(processes=1, timeout=60, log_dir=str(tmp_path / "a" / "b"))
         h = fn(rel_funcs.private_files).submit()
         h.result(60)
     finally:

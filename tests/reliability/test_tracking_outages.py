@@ -21,7 +21,7 @@ from gangrun import LaunchError
 from mlflow_server import MlflowServer, free_port
 
 mlflow = pytest.importorskip("mlflow")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 
 
 @pytest.fixture(scope="module")

@@ -266,7 +266,6 @@ def _run_resume(plan: dict) -> str | None:
     def fn(where: str, restarts: int = 0):
         return gangrun.distributed(
             processes=world,
-            mlflow=False,
             timeout=90,
             grace_period=20,
             checkpoint_dir=where,
@@ -349,7 +348,6 @@ def _run_in_process(plan: dict, read_out=lambda: "") -> str | None:
     scenario = plan["point"] == "scenario"
     fn = gangrun.distributed(
         processes=plan["world"],
-        mlflow=False,
         timeout=_timeout_for(plan),
         grace_period=plan["grace"],
         hang_timeout=(3.0 if plan["point"] in TORCH_POINTS else 1.0) if plan["guard"] else None,
@@ -416,7 +414,7 @@ def _run_caller_kill(plan: dict, tmp: str) -> str | None:
         "from soak_faults import soak_rank\n"
         "import gangrun\n"
         "plan = json.loads(sys.argv[1])\n"
-        "fn = gangrun.distributed(processes=plan['world'], mlflow=False, timeout=90, output='none', grace_period=plan['grace'])(soak_rank)\n"
+        "fn = gangrun.distributed(processes=plan['world'], timeout=90, output='none', grace_period=plan['grace'])(soak_rank)\n"
         "if plan['kind'] == 'caller_forks':\n"
         "    import os, time\n"
         "    h = fn.submit(plan)\n"
@@ -543,9 +541,9 @@ def _run_outage(plan: dict, outages: Outages, read_out) -> str | None:
         os.environ["MLFLOW_TRACKING_URI"] = server.url
         mlflow.set_tracking_uri(server.url)
         try:
-            fn = gangrun.distributed(processes=world, timeout=120, grace_period=plan["grace"])(
-                soak_rank
-            )
+            fn = gangrun.distributed(
+                processes=world, mlflow=True, timeout=120, grace_period=plan["grace"]
+            )(soak_rank)
             handle = fn.submit(plan)
             try:
                 deadline = time.monotonic() + 90
@@ -581,7 +579,7 @@ def _run_outage(plan: dict, outages: Outages, read_out) -> str | None:
     saved_tmp = tempfile.tempdir
     tempfile.tempdir = disk
     fn = gangrun.distributed(
-        processes=world, mlflow=False, timeout=60, grace_period=plan["grace"], output="none"
+        processes=world, timeout=60, grace_period=plan["grace"], output="none"
     )(soak_rank)
     err: BaseException | None = None
     try:
@@ -621,7 +619,7 @@ def _disk_full_problem(plan: dict, err: BaseException, disk: str) -> str | None:
 
 
 def _next_call_ok() -> str | None:
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=60)(ok_rank)
+    fn = gangrun.distributed(processes=2, timeout=60)(ok_rank)
     try:
         got = fn.distributed()
     except BaseException as exc:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -20,6 +22,7 @@ class Kernel:
         self.kc.wait_for_ready(timeout=60)
         self.msgs: list[dict[str, Any]] = []  # every iopub message, in arrival order
         self.pid = int(self.km.provisioner.process.pid)
+        self.tracking_uri = env.get("MLFLOW_TRACKING_URI", "")
 
     # -- messages --------------------------------------------------------------------------
     def pump(self, timeout: float = 0.1) -> None:
@@ -107,3 +110,18 @@ def kernel_env(**extra: str) -> dict[str, str]:
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def open_kernel(home: str, store: str, setup: str, **env: str) -> Iterator[Kernel]:
+    """A kernel in ``home`` (its ``HOME`` and working directory) with an MLflow store of its
+    own under ``store`` (``kernel.tracking_uri``), after running ``setup``; shut down at the
+    end, asserting that nothing of its process tree survived."""
+    uri = f"sqlite:///{store}/mlflow.db"
+    k = Kernel(kernel_env(MLFLOW_TRACKING_URI=uri, HOME=str(home), **env), str(home))
+    try:
+        k.execute(setup)
+        yield k
+    finally:
+        left = k.shutdown()
+        assert not left, f"processes of the kernel survived its shutdown: {left}"

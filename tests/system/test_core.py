@@ -34,7 +34,6 @@ def pids_in(d: Path) -> list[int]:
 
 def run2(fn, **opts):
     opts.setdefault("processes", 2)
-    opts.setdefault("mlflow", False)
     opts.setdefault("timeout", 60)
     return distributed(**opts)(fn)
 
@@ -202,7 +201,7 @@ def test_function_and_class_defined_in_main(script):
 
         SCALE = 10
 
-        @distributed(processes=2, mlflow=False, timeout=60)
+        @distributed(processes=2, timeout=60)
         def make(n):
             import os
             return Point(n * SCALE + int(os.environ["RANK"]))
@@ -230,7 +229,7 @@ def test_caller_sigkilled_mid_run(script, tmp_path, monkeypatch):
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import rankfns
         from gangrun import distributed
-        distributed(processes=2, mlflow=False)(rankfns.sleeper).distributed({str(pid_dir)!r})
+        distributed(processes=2)(rankfns.sleeper).distributed({str(pid_dir)!r})
         """,
         env={"TMPDIR": str(private_tmp)},
     )

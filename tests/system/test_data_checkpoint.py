@@ -14,6 +14,7 @@ import pytest
 
 import gangrun
 from gangrun import checkpoint
+from s3server import moto_s3
 
 N_FILES = 7  # odd: 2 ranks cannot split it evenly
 
@@ -21,35 +22,17 @@ N_FILES = 7  # odd: 2 ranks cannot split it evenly
 @pytest.fixture(scope="module")
 def s3():
     """(endpoint_url, storage_options) of a moto S3 server with bucket ``gangrun-test`` holding 7 files."""
-    from moto.server import ThreadedMotoServer
-
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ["AWS_ACCESS_KEY_ID"] = "testing"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
     import s3fs
 
-    fs = s3fs.S3FileSystem(**opts)
-    fs.mkdir("gangrun-test")
-    for i in range(N_FILES):
-        fs.pipe_file(f"gangrun-test/data/f{i:02d}", f"f{i:02d}".encode())
-    try:
+    with moto_s3("gangrun-test") as (endpoint, opts):
+        fs = s3fs.S3FileSystem(**opts)
+        for i in range(N_FILES):
+            fs.pipe_file(f"gangrun-test/data/f{i:02d}", f"f{i:02d}".encode())
         yield endpoint, opts
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _gang(fn):
-    return gangrun.distributed(processes=2, mlflow=False, timeout=120)(fn)
+    return gangrun.distributed(processes=2, timeout=120)(fn)
 
 
 @pytest.mark.slow

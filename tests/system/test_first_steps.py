@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import assert_no_survivors
+from conftest import assert_no_survivors, run_bounded
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +23,7 @@ from gangrun import distributed
 VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
         "MASTER_ADDR", "MASTER_PORT")
 
-@distributed(processes=2, mlflow=False, timeout=120)
+@distributed(processes=2, timeout=120)
 def train(num_epochs: int, batch_size: int):
     import torch, torch.distributed as dist, gangrun
     dist.init_process_group(gangrun.backend())
@@ -60,18 +59,9 @@ def test_plain_call_is_a_world_of_one_twice(script):
 
 
 def _gangrun(tmp_path, *args, env=None):
-    env = dict(env or os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gangrun", *args],
-        cwd=str(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    out, err = proc.communicate(timeout=120)
-    assert_no_survivors(proc.pid)
-    return proc.returncode, out, err
+    cmd = [sys.executable, "-m", "gangrun", *args]
+    proc = run_bounded(cmd, env={**(env or {}), "TMPDIR": str(tmp_path)}, cwd=tmp_path, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 SILENT_DEATH = """
@@ -108,6 +98,7 @@ def _source_tags(tmp_path, script) -> dict[str, str]:
     return {k: v for k, v in runs[0].data.tags.items() if k.startswith("mlflow.source")}
 
 
+@pytest.mark.mlflow
 def test_cli_run_source_is_the_users_script_not_gangrun(tmp_path):
     # the commit of a script's own repository: tests/unit/test_first_steps_units.py
     pytest.importorskip("git")
@@ -127,7 +118,7 @@ import sys, time
 from gangrun import distributed
 from gangrun.notebook import warm
 
-@distributed(processes=2, mlflow=False, timeout=120)
+@distributed(processes=2, timeout=120)
 def first():
     return 1
 

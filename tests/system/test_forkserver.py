@@ -15,7 +15,7 @@ from gangrun import DistributedError, DistributedTimeoutError, distributed
 from gangrun.launch import forkserver
 from gangrun.launch.forkserver import client
 
-FS = {"processes": 2, "mlflow": False, "start_method": "forkserver", "timeout": 60}
+FS = {"processes": 2, "start_method": "forkserver", "timeout": 60}
 
 
 def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
@@ -148,9 +148,7 @@ def _outcome(method: str, kind: str) -> tuple:
             os.kill(os.getpid(), signal.SIGKILL)
         return "ok"
 
-    fn = distributed(processes=2, mlflow=False, start_method=method, timeout=30, grace_period=2)(
-        fail
-    )
+    fn = distributed(processes=2, start_method=method, timeout=30, grace_period=2)(fail)
     t = time.monotonic()
     with pytest.raises(DistributedError) as ei:
         fn.distributed(kind)
@@ -352,7 +350,7 @@ import os, sys, time
 from gangrun import distributed
 from gangrun.launch import forkserver
 
-@distributed(processes=2, mlflow=False, start_method="forkserver", timeout=120)
+@distributed(processes=2, start_method="forkserver", timeout=120)
 def work(path, block):
     import subprocess, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -9,13 +9,12 @@ is loaded by a second call that then continues to exactly where the first one en
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, assert_no_survivors
+from conftest import ROOT, run_bounded
 
 torch = pytest.importorskip("torch")
 
@@ -30,7 +29,7 @@ HALF = 4
 
 
 def _opts(fn):
-    return fn.options(processes=2, mlflow=False, timeout=180, output="rank0")
+    return fn.options(processes=2, timeout=180, output="rank0")
 
 
 def _check_trained(out: list[dict]) -> None:
@@ -116,21 +115,6 @@ def test_deepspeed_zero_trains_checkpoints_and_resumes(stage, tmp_path):
 
 def test_example_runs_as_a_script(tmp_path):
     """``python examples/ddp_train.py`` works as a plain script (its function travels by value)."""
-    env = dict(os.environ, PYTHONPATH=os.environ["PYTHONPATH"])
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "ddp_train.py"), "--processes", "2", "--no-mlflow"],
-        cwd=str(tmp_path),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, out
+    cmd = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--processes", "2", "--no-mlflow"]
+    out = run_bounded(cmd, cwd=tmp_path, timeout=120, check=True, merge_stderr=True).stdout
     assert "[rank 0] loss" in out and out.rstrip().endswith("OK"), out
-    assert_no_survivors(proc.pid)

@@ -34,7 +34,7 @@ def _wait_rank_file(path, timeout=30.0):
 
 @pytest.fixture
 def g():
-    gang = gangrun.Gang(processes=2, mlflow=False, timeout=120)
+    gang = gangrun.Gang(processes=2, timeout=120)
     yield gang
     pids = list(gang.pids.values())
     gang.close()
@@ -43,7 +43,7 @@ def g():
 
 def test_state_and_all_reduce_across_executions(capfd):
     # made here, not in a fixture: the gang streams into the sys.stdout of its start
-    with gangrun.Gang(processes=2, mlflow=False, timeout=120) as g:
+    with gangrun.Gang(processes=2, timeout=120) as g:
         _all_reduce_cells(g, capfd)
 
 
@@ -157,7 +157,7 @@ def test_interrupt_in_a_blocked_collective_returns_within_3s(g):
 
 
 def test_timeout_per_execution():
-    with gangrun.Gang(processes=2, mlflow=False, timeout=1.0) as g:
+    with gangrun.Gang(processes=2, timeout=1.0) as g:
         g.execute("import time\nx = 5")
         t0 = time.monotonic()
         with pytest.raises(gangrun.DistributedTimeoutError):
@@ -168,6 +168,7 @@ def test_timeout_per_execution():
         assert g.execute("x + 1") == [6, 6]
 
 
+@pytest.mark.mlflow
 def test_close_leaves_nothing_and_mlflow_run_per_gang(capfd):
     import mlflow
 
@@ -191,6 +192,7 @@ def test_close_leaves_nothing_and_mlflow_run_per_gang(capfd):
         g.execute("1")
 
 
+@pytest.mark.mlflow
 def test_broken_gang_ends_its_mlflow_run_failed():
     import mlflow
 
@@ -208,7 +210,7 @@ def test_gang_closed_at_interpreter_exit(script):
     p = script(
         """
         import gangrun, os
-        g = gangrun.Gang(processes=2, mlflow=False)
+        g = gangrun.Gang(processes=2)
         print(*g.pids.values(), flush=True)
         g.execute("x = 1")
         """
@@ -222,6 +224,7 @@ def test_gang_closed_at_interpreter_exit(script):
     assert_no_survivors(p.pid)
 
 
+@pytest.mark.mlflow
 def test_gang_open_at_exit_ends_its_mlflow_run_finished(script):
     """One ordered shutdown (lifecycle/calls.py): the open gang closes first (FINISHED, as
     docs/interactive.md promises), before the exit hook cancels active calls (KILLED)."""

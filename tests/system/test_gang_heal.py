@@ -23,6 +23,7 @@ def count_setup() -> None:
     state["restored"] = 7  # what a checkpoint restore rebuilds
 
 
+@pytest.mark.mlflow
 def test_rank_killed_between_cells_is_healed_and_the_cell_runs(capfd):
     with gangrun.Gang(processes=2, max_restarts=1, setup=count_setup) as g:
         run_id = g.handle.mlflow_run_id
@@ -45,7 +46,7 @@ def test_rank_killed_between_cells_is_healed_and_the_cell_runs(capfd):
 
 
 def test_silent_execution_is_stopped_with_stacks_and_the_gang_stays_usable(capfd):
-    with gangrun.Gang(processes=2, mlflow=False, hang_timeout=1.0, interrupt_grace=5.0) as g:
+    with gangrun.Gang(processes=2, hang_timeout=1.0, interrupt_grace=5.0) as g:
         g.execute("import time")
         t0 = time.monotonic()
         with pytest.raises(DistributedHangError) as info:

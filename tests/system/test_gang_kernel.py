@@ -68,7 +68,7 @@ def test_distributed_cells_keep_state_and_shutdown_leaves_nothing(tmp_path, monk
     monkeypatch.setenv("HOME", str(tmp_path))
     k = Kernel(tmp_path)
     try:
-        r = k.run("%load_ext gangrun\nimport gangrun\ng = gangrun.Gang(processes=2, mlflow=False)")
+        r = k.run("%load_ext gangrun\nimport gangrun\ng = gangrun.Gang(processes=2)")
         assert r["error"] is None, r
         r = k.run(
             "%%distributed g\nimport os\nrank = int(os.environ['RANK'])\n"

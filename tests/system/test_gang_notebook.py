@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
+from test_notebook import LINK, mlflow, nbclient, nbformat  # (its import checks too)
 
 from conftest import ROOT, assert_no_survivors
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-mlflow = pytest.importorskip("mlflow")
-pytest.importorskip("ipykernel")
-
-pytestmark = pytest.mark.slow
-
-LINK = re.compile(r"gangrun: MLflow run ([0-9a-f]{32})")
+pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 
 
 def _result(cell) -> str:

@@ -24,6 +24,7 @@ import pytest
 import gangrun
 from conftest import assert_no_survivors
 from gangrun import checkpoint
+from s3server import moto_s3
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -43,37 +44,8 @@ def data(tmp_path_factory):
 def s3():
     """A moto S3 server on 127.0.0.1 with bucket ``gangrun-ckpt``; fsspec in this process and
     in the ranks (they inherit the environment) reaches it by its config variables."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec.config
-    import s3fs
-
-    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = env["FSSPEC_S3_ENDPOINT_URL"]
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("gangrun-ckpt")
-    try:
-        yield "s3://gangrun-ckpt", {"endpoint_url": env["FSSPEC_S3_ENDPOINT_URL"]}
-    finally:
-        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with moto_s3("gangrun-ckpt", default_endpoint=True) as (endpoint, _):
+        yield "s3://gangrun-ckpt", {"endpoint_url": endpoint}
 
 
 def _train(**opts):
@@ -132,6 +104,7 @@ def _wait_for(cond, what, timeout=120.0):
 @pytest.mark.parametrize(
     ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
 )
+@pytest.mark.mlflow
 def test_rank_killed_at_random_step_restarted_by_max_restarts(
     framework, where, data, tmp_path, tmp_path_factory, request
 ):
@@ -184,6 +157,7 @@ def _caller(script, tmp_path, framework, data, where, block, so=None):
 @pytest.mark.parametrize(
     ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
 )
+@pytest.mark.mlflow
 def test_caller_killed_then_resumed_with_run_id(
     framework, where, data, tmp_path, tmp_path_factory, script, request
 ):
@@ -206,6 +180,7 @@ def test_caller_killed_then_resumed_with_run_id(
     ("framework", "how"),
     [("ddp", "cancel"), ("fsdp2", "sigterm-rank"), ("deepspeed", "sigterm-caller")],
 )
+@pytest.mark.mlflow
 def test_preempted_then_resumed(framework, how, data, tmp_path, tmp_path_factory, script):
     base = baseline(framework, data, tmp_path_factory)
     root, block = str(tmp_path / "ckpt"), EVERY + 1
@@ -244,6 +219,7 @@ def test_preempted_then_resumed(framework, how, data, tmp_path, tmp_path_factory
 
 
 # ---------------------------------------------------------------------- bad input, teardown
+@pytest.mark.mlflow
 def test_bad_checkpoint_locations_are_launch_errors(tmp_path, data):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -268,7 +244,7 @@ def stateless(where: str) -> None:
 
 
 def test_state_without_state_names_key_and_rank(tmp_path):
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120)(stateless)
+    fn = gangrun.distributed(processes=2, timeout=120)(stateless)
     with pytest.raises(gangrun.DistributedError) as info:
         fn.distributed(str(tmp_path / "ckpt"))
     assert "state['lock']" in str(info.value) and "no state to save" in str(info.value)
@@ -290,7 +266,7 @@ def fail_while_peer_checkpoints(where: str) -> None:
 def test_teardown_is_immediate_with_a_checkpointer_active(tmp_path):
     # With grace_period=600 a rank that waited to checkpoint would outlive the test timeout:
     # the SIGTERM of the teardown must kill it at once, even while blocked in a collective.
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120, grace_period=600)(
+    fn = gangrun.distributed(processes=2, timeout=120, grace_period=600)(
         fail_while_peer_checkpoints
     )
     with pytest.raises(gangrun.DistributedError) as info:

@@ -19,7 +19,7 @@ nbclient = pytest.importorskip("nbclient")
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("ipykernel")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 
 LINK = re.compile(r"gangrun: MLflow run ([0-9a-f]{32})")
 

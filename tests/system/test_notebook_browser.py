@@ -15,7 +15,7 @@ mlflow = pytest.importorskip("mlflow")
 
 from notebook_render import browse, execute_and_render  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 
 
 def test_quickstart_panel_renders_in_chromium(tmp_path, monkeypatch):

@@ -14,23 +14,16 @@ pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 mlflow = pytest.importorskip("mlflow")
 
-from kernelharness import Kernel, kernel_env  # noqa: E402
+from kernelharness import Kernel, open_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def kernel(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    env = kernel_env(MLFLOW_TRACKING_URI=uri, HOME=str(tmp_path), MPLBACKEND="agg")
-    k = Kernel(env, str(tmp_path))
-    k.tracking_uri = uri
-    try:
-        k.execute("import time\nfrom gangrun import distributed")
+    setup = "import time\nfrom gangrun import distributed"
+    with open_kernel(tmp_path, str(tmp_path), setup, MPLBACKEND="agg") as k:
         yield k
-    finally:
-        left = k.shutdown()
-        assert not left, f"processes of the kernel survived its shutdown: {left}"
 
 
 def _panel_msgs(k: Kernel, msg_id: str) -> list[dict]:
@@ -42,7 +35,7 @@ def _panel_msgs(k: Kernel, msg_id: str) -> list[dict]:
 
 
 SUBMIT = """\
-@distributed(processes=2, timeout=120, mlflow=False)
+@distributed(processes=2, timeout=120)
 def ticker(n: int):
     import time
     for i in range(n):
@@ -100,6 +93,7 @@ losses = train.distributed(12)
 """
 
 
+@pytest.mark.mlflow
 def test_panel_updates_in_place_names_every_rank_ends_final_with_chart(kernel):
     k = kernel
     a = k.execute(PANEL)
@@ -126,7 +120,7 @@ def test_panel_updates_in_place_names_every_rank_ends_final_with_chart(kernel):
 def test_panel_off_with_progress_false_or_output_none(kernel):
     k = kernel
     a = k.execute(
-        "@distributed(processes=2, mlflow=False, progress=False)\n"
+        "@distributed(processes=2, progress=False)\n"
         "def q():\n    return 1\n"
         "q.distributed()\nq.options(progress=True, output='none').distributed()"
     )
@@ -135,7 +129,7 @@ def test_panel_off_with_progress_false_or_output_none(kernel):
 
 
 FAILING = """\
-@distributed(processes=2, timeout=120, mlflow=False)
+@distributed(processes=2, timeout=120)
 def broken(x: int):
     import os
     if os.environ["RANK"] == "1":
@@ -163,7 +157,7 @@ def test_failing_notebook_function_traceback_shows_its_source_line(kernel):
 
 def test_misspelled_argument_fails_fast_with_no_rank_started(kernel):
     k = kernel
-    k.execute("@distributed(processes=2, mlflow=False)\ndef fit(epochs: int):\n    return epochs")
+    k.execute("@distributed(processes=2)\ndef fit(epochs: int):\n    return epochs")
     a = k.execute(
         "t0 = time.perf_counter()\ntry:\n    fit.distributed(epoch=3)\n"
         "finally:\n    print('took', time.perf_counter() - t0)"
@@ -187,11 +181,11 @@ def test_misspelled_option_lists_valid_names(kernel):
 
 
 NESTED = """\
-@distributed(processes=2, mlflow=False)
+@distributed(processes=2)
 def inner():
     open(MARK, "w").close()
 
-@distributed(processes=2, timeout=120, mlflow=False)
+@distributed(processes=2, timeout=120)
 def outer():
     inner.distributed()
 
@@ -217,7 +211,7 @@ def test_nested_call_fails_fast_in_the_rank_with_no_inner_rank(kernel, tmp_path)
 
 
 RESUMED = """\
-@distributed(processes=2, timeout=120, mlflow=False, max_restarts=3, restart_backoff=0.1)
+@distributed(processes=2, timeout=120, max_restarts=3, restart_backoff=0.1)
 def resumed():
     import os, signal, time
     from gangrun import report_step

@@ -14,31 +14,24 @@ pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 mlflow = pytest.importorskip("mlflow")
 
-from kernelharness import Kernel, kernel_env  # noqa: E402
+from kernelharness import Kernel, open_kernel  # noqa: E402
 from test_watch import cli, wait_listed  # noqa: E402
 
-pytestmark = pytest.mark.slow
+from gangrun.contract import SILENT_AFTER, SLOW_AFTER  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 
 
 @pytest.fixture
 def kernel(tmp_path):
     store = tempfile.mkdtemp(prefix="gr-")  # a short path, as a user's would be
-    uri = f"sqlite:///{store}/mlflow.db"
-    env = kernel_env(
-        MLFLOW_TRACKING_URI=uri,
-        HOME=str(tmp_path),
-        GANGRUN_SLOW_AFTER="1",  # the one-minute window, shortened
-        GANGRUN_SILENT_AFTER="1.5",
-    )
-    k = Kernel(env, str(tmp_path))
-    k.tracking_uri = uri
+    setup = "import time, gangrun\nfrom gangrun import distributed"
+    slow = {SLOW_AFTER: "1", SILENT_AFTER: "1.5"}  # the one-minute windows, shortened
     try:
-        k.execute("import time, gangrun\nfrom gangrun import distributed")
-        yield k
+        with open_kernel(tmp_path, store, setup, **slow) as k:
+            yield k
     finally:
-        left = k.shutdown()
         shutil.rmtree(store, ignore_errors=True)
-        assert not left, f"processes of the kernel survived its shutdown: {left}"
 
 
 def _panels(k: Kernel, msg_id: str) -> list[str]:

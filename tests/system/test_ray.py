@@ -109,7 +109,7 @@ def ddp_step(scale: float) -> dict:
 
 
 def test_ddp_on_two_nodes(cluster, capfd):
-    fn = distributed(**_opts(cluster, mlflow=False))(ddp_step)
+    fn = distributed(**_opts(cluster))(ddp_step)
     handle = fn.submit(0.5)
     r0, r1 = handle.result(timeout=120)
     assert (r0["rank"], r1["rank"]) == (0, 1)
@@ -134,7 +134,7 @@ def fail_on_second_node() -> None:
 
 
 def test_failure_on_second_node(cluster):
-    fn = distributed(**_opts(cluster, mlflow=False, grace_period=2.0))(fail_on_second_node)
+    fn = distributed(**_opts(cluster, grace_period=2.0))(fail_on_second_node)
     handle = fn.submit()
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as info:
@@ -159,6 +159,7 @@ def log_to_mlflow() -> int:
     return rank
 
 
+@pytest.mark.mlflow
 def test_mlflow_metrics_from_both_nodes(cluster):
     from mlflow.tracking import MlflowClient
 
@@ -186,7 +187,7 @@ def wait_then_sleep(flag_dir: str) -> None:
 def test_lost_actor_names_its_ranks(cluster, tmp_path):
     import ray
 
-    fn = distributed(**_opts(cluster, mlflow=False, grace_period=1.0))(wait_then_sleep)
+    fn = distributed(**_opts(cluster, grace_period=1.0))(wait_then_sleep)
     handle = fn.submit(str(tmp_path))
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("ready.*"))) < 2 and time.monotonic() < deadline:
@@ -209,7 +210,7 @@ def wait_then_sleep(flag_dir):
     time.sleep(120)
 
 address, flag_dir = sys.argv[1], sys.argv[2]
-fn = distributed(processes=2, backend="ray", address=address, mlflow=False,
+fn = distributed(processes=2, backend="ray", address=address,
                  env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"})(wait_then_sleep)
 fn.distributed(flag_dir)
 """
@@ -258,7 +259,7 @@ def test_next_call_reaps_leftovers_on_its_nodes(cluster, tmp_path):
         f.write("999999999:1")  # no such pid
     with open(os.path.join(stale, "payload.pkl"), "wb") as f:
         f.write(b"x")
-    fn = distributed(**_opts(cluster, mlflow=False))(os.getpid)
+    fn = distributed(**_opts(cluster))(os.getpid)
     assert len(fn.distributed()) == 2
     assert not os.path.exists(stale)
     assert not _actor_dirs()
@@ -302,11 +303,9 @@ def test_more_than_the_cluster_has_is_a_launch_error(cluster):
     from gangrun import LaunchError
 
     with pytest.raises(LaunchError, match="cluster has 2 CPU"):
-        distributed(**{**_opts(cluster), "processes": 3}, mlflow=False)(log_to_mlflow).submit()
+        distributed(**{**_opts(cluster), "processes": 3})(log_to_mlflow).submit()
     with pytest.raises(LaunchError, match="gpus=1 but the Ray cluster has 0 GPU"):
-        distributed(gpus=1, backend="ray", address=cluster.address, mlflow=False)(
-            log_to_mlflow
-        ).submit()
+        distributed(gpus=1, backend="ray", address=cluster.address)(log_to_mlflow).submit()
 
 
 def node_rank_and_world() -> tuple[int, int]:
@@ -342,9 +341,7 @@ def test_runtime_env_ships_working_dir(cluster, tmp_path):
     wd.mkdir()
     (wd / "shipped_mod_gangrun_test.py").write_text("VALUE = 42\n")
     rt = {"working_dir": str(wd), "env_vars": {"SHIPPED_VAR": "yes"}}
-    fn = distributed(
-        **_opts(cluster, mlflow=False, env={"GANGRUN_RAY_RUNTIME_ENV": json.dumps(rt)})
-    )
+    fn = distributed(**_opts(cluster, env={"GANGRUN_RAY_RUNTIME_ENV": json.dumps(rt)}))
     out = fn(uses_shipped_module).distributed()
     assert [o[:2] for o in out] == [(42, "yes"), (42, "yes")]
     # both nodes of this cluster see the caller's files: the ranks run in the caller's real
@@ -362,7 +359,7 @@ def step_then_raise() -> None:
 def test_step_reports_reach_the_restart_rules(cluster):
     """An exception after progress is retried once (then it repeats at the same line): the
     ranks' step reports came back from their nodes (without them: no progress, 1 attempt)."""
-    fn = distributed(**_opts(cluster, mlflow=False, max_restarts=3, restart_backoff=0.1))
+    fn = distributed(**_opts(cluster, max_restarts=3, restart_backoff=0.1))
     with pytest.raises(DistributedError) as ei:
         fn(step_then_raise).distributed()
     text = str(ei.value)

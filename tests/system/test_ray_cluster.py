@@ -77,7 +77,7 @@ def project(base, monkeypatch):
 
 def _opts(cluster, **kw):
     env = {"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD", **kw.pop("env", {})}
-    return dict(processes=2, backend="ray", address=cluster.address, env=env, mlflow=False, **kw)
+    return dict(processes=2, backend="ray", address=cluster.address, env=env, **kw)
 
 
 def uses_project() -> dict:
@@ -234,7 +234,6 @@ def _gang(cluster, **kw):
         processes=2,
         backend="ray",
         address=cluster.address,
-        mlflow=False,
         env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"},
         **kw,
     )
@@ -310,7 +309,7 @@ import os, sys, time
 import gangrun
 
 address, flag = sys.argv[1], sys.argv[2]
-g = gangrun.Gang(processes=2, backend="ray", address=address, mlflow=False,
+g = gangrun.Gang(processes=2, backend="ray", address=address,
                  env={"GANGRUN_RAY_STRATEGY": "STRICT_SPREAD"})
 g.execute("x = 1")
 open(flag, "w").close()
@@ -350,7 +349,7 @@ def test_notebook_cells_on_a_cluster_gang(cluster, project):
         mid = k.execute(
             "%load_ext gangrun\nimport gangrun\n"
             f"g = gangrun.Gang(processes=2, backend='ray', address={cluster.address!r}, "
-            "mlflow=False, env={'GANGRUN_RAY_STRATEGY': 'STRICT_SPREAD'})",
+            "env={'GANGRUN_RAY_STRATEGY': 'STRICT_SPREAD'})",
             timeout=180,
         )
         assert k.error(mid) is None, k.error(mid)

@@ -11,6 +11,7 @@ import tablefns
 
 import gangrun
 import tablewriters as tw
+from s3server import moto_s3
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("deltalake")
@@ -18,29 +19,9 @@ pytest.importorskip("deltalake")
 
 @pytest.fixture(scope="module")
 def s3():
-    """fsspec storage options of a moto S3 server with an empty bucket ``tables``."""
-    from moto.server import ThreadedMotoServer
-
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    os.environ["AWS_ACCESS_KEY_ID"] = "testing"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-    import s3fs
-
-    s3fs.S3FileSystem(**opts).mkdir("tables")
-    try:
-        yield endpoint, opts
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """(endpoint_url, fsspec storage options) of a moto S3 server with an empty bucket ``tables``."""
+    with moto_s3("tables") as server:
+        yield server
 
 
 def _table(kind, where, s3, tmp_path):
@@ -57,7 +38,7 @@ def _table(kind, where, s3, tmp_path):
 
 
 def _gang(fn):
-    return gangrun.distributed(processes=2, mlflow=False, timeout=180)(fn)
+    return gangrun.distributed(processes=2, timeout=180)(fn)
 
 
 def _flat(batches):

@@ -13,6 +13,8 @@ from conftest import assert_no_survivors
 from gangrun import DistributedError, DistributedTimeoutError, distributed
 from gangrun.tracking import resolve_tracking_uri, run_link
 
+pytestmark = pytest.mark.mlflow  # every test here tracks (conftest turns MLflow off)
+
 mlflow = pytest.importorskip("mlflow")
 
 

@@ -4,80 +4,29 @@ experiment/run names and tags, resuming a run, parameter names, runs opened in r
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
 
+from conftest import run_bounded
 from gangrun import DistributedError, LaunchError, distributed
+from mlflow_server import MlflowServer
+
+pytestmark = pytest.mark.mlflow  # every test here tracks (conftest turns MLflow off)
 
 mlflow = pytest.importorskip("mlflow")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real tracking server on a free loopback port: sqlite backend, artifacts under tmp."""
-    d = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
-    env = dict(os.environ, HOME=str(d), MLFLOW_DISABLE_TELEMETRY="true")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--backend-store-uri", f"sqlite:///{d}/server.db", "--workers", "1"]
-    cmd += ["--artifacts-destination", str(d / "artifacts")]
-    with open(d / "server.log", "wb") as log:  # the server holds its own copy
-        proc = subprocess.Popen(
-            cmd, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
     try:
-        deadline = time.monotonic() + 150  # a loaded 2-core machine: ~60 s seen
-        while True:
-            assert proc.poll() is None, (d / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server not ready within 150 s"
-            time.sleep(0.25)
-        yield url
+        yield server.url
     finally:
-        tree = [proc.pid]
-        try:
-            tree += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.Error:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(5)
-        except (OSError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        deadline = time.monotonic() + 10
-        alive = [p for p in tree if psutil.pid_exists(p)]
-        while alive and time.monotonic() < deadline:
-            for p in alive:
-                try:
-                    if psutil.Process(p).status() == psutil.STATUS_ZOMBIE:
-                        alive.remove(p)
-                except psutil.Error:
-                    alive.remove(p)
-            time.sleep(0.1)
-        for p in alive:
-            os.kill(p, signal.SIGKILL)
-        assert not alive, f"mlflow server processes survived: {alive}"
+        server.stop()  # asserts that none of its processes survived
 
 
 @pytest.fixture(scope="module")
@@ -371,25 +320,14 @@ def test_system_metrics_on_by_default_for_gpu_calls(store, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_cli_flags(store, tmp_path):
-    from conftest import assert_no_survivors
 
     (tmp_path / "train.py").write_text("import mlflow\nmlflow.log_metric('x', 1.0)\n")
     exp_name = f"cli-{time.time_ns()}"
 
     def gangrun(*args: str) -> tuple[int, str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gangrun", "run", "--processes", "2", *args, "train.py"],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-        assert_no_survivors(proc.pid)
-        return proc.returncode, out
+        cmd = [sys.executable, "-m", "gangrun", "run", "--processes", "2", *args, "train.py"]
+        proc = run_bounded(cmd, cwd=tmp_path, timeout=120, merge_stderr=True)
+        return proc.returncode, proc.stdout
 
     code, out = gangrun("--experiment-name", exp_name, "--run-name", "from-cli", "--tag", "k=v=w")
     assert code == 0, out

@@ -20,14 +20,14 @@ import pytest
 import watchfns
 
 import gangrun
-from conftest import assert_no_survivors
+from conftest import assert_no_survivors, run_bounded, run_python
 
 pytestmark = pytest.mark.slow
 
 
 def test_stacks_of_a_running_call_which_then_finishes_normally(tmp_path):
     flag = tmp_path / "stop"
-    fn = gangrun.distributed(processes=2, mlflow=False, timeout=120)(watchfns.spin_until)
+    fn = gangrun.distributed(processes=2, timeout=120)(watchfns.spin_until)
     h = fn.submit(str(flag))
     deadline = time.monotonic() + 60
     while h.progress().ranks.keys() != {0, 1}:  # both ranks are in their loop
@@ -46,6 +46,7 @@ def test_stacks_of_a_running_call_which_then_finishes_normally(tmp_path):
     assert h.stacks() == {}  # nothing runs any more
 
 
+@pytest.mark.mlflow
 def test_progress_eta_slow_rank_and_final_values_on_mlflow(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -75,9 +76,9 @@ def test_progress_eta_slow_rank_and_final_values_on_mlflow(tmp_path, monkeypatch
 
 NARRATE = """
 import sys, gangrun, watchfns
-ok = gangrun.distributed(processes=2, mlflow=False, timeout=60)(watchfns.uneven)
+ok = gangrun.distributed(processes=2, timeout=60)(watchfns.uneven)
 ok.distributed(3)
-bad = gangrun.distributed(processes=2, mlflow=False, timeout=60)(watchfns.fail_on)
+bad = gangrun.distributed(processes=2, timeout=60)(watchfns.fail_on)
 try:
     bad.distributed(1)
 except gangrun.DistributedError as e:
@@ -86,15 +87,9 @@ except gangrun.DistributedError as e:
 
 
 def test_debug_log_narrates_a_successful_and_a_failed_call(tmp_path):
-    env = dict(os.environ, GANGRUN_LOG_LEVEL="DEBUG")
-    env["PYTHONPATH"] = os.path.dirname(watchfns.__file__) + os.pathsep + env["PYTHONPATH"]
-    proc = subprocess.run(
-        [sys.executable, "-c", NARRATE],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    path = os.path.dirname(watchfns.__file__) + os.pathsep + os.environ["PYTHONPATH"]
+    proc = run_python(
+        NARRATE, env={"GANGRUN_LOG_LEVEL": "DEBUG", "PYTHONPATH": path}, cwd=tmp_path, timeout=120
     )
     err = proc.stderr
     assert proc.returncode == 0 and "FAILED AS EXPECTED" in err, err
@@ -136,13 +131,7 @@ train_loop()
 
 
 def cli(*args, timeout=60, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "gangrun", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kw,
-    )
+    return run_bounded([sys.executable, "-m", "gangrun", *args], timeout=timeout, **kw)
 
 
 def wait_listed(pid, timeout=60):
@@ -173,6 +162,7 @@ sys.exit(cli.main(["stop", run_id]))
 """
 
 
+@pytest.mark.mlflow
 def test_ps_logs_stacks_stop_against_a_script_call(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
@@ -336,10 +326,7 @@ def test_control_socket_refuses_a_peer_of_another_uid():
     os.chmod(tmp_path, 0o755)
     os.chmod(path, 0o666)
     try:
-        peer = subprocess.run(
-            [sys.executable, "-c", PEER, path], capture_output=True, text=True, timeout=60
-        )
-        assert peer.returncode == 0, peer.stderr
+        peer = run_python(PEER, path, check=True)
         reply = json.loads(peer.stdout)
         assert reply["ok"] is False and "another user" in reply["error"]
         assert cancelled == []

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
+from conftest import run_python
 from gangrun.compat.frameworks import deepspeed_env
 
 
@@ -26,4 +24,4 @@ def test_importing_the_helpers_imports_no_framework():
         "bad = {'torch', 'deepspeed', 'mlflow', 'ray'} & set(sys.modules)\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code, check=True)

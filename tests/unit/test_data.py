@@ -5,14 +5,13 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from conftest import run_python
 from gangrun import checkpoint
 from gangrun.data import FileCache, VolumeDataset, parse_size
 
@@ -324,7 +323,7 @@ def test_parse_size():
 
 def test_import_gangrun_stays_light():
     code = "import sys, gangrun, gangrun.checkpoint; print('torch' in sys.modules, 'fsspec' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_python(code)
     assert out.stdout.split() == ["False", "False"], out.stderr
 
 
@@ -341,8 +340,7 @@ def test_sharding_imports_without_torch_or_fsspec():
         "    getattr(d, name)\n"
         "assert 'torch' in sys.modules\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_python(code, timeout=120, check=True)
 
 
 def test_sharding_is_a_partition():

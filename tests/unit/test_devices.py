@@ -78,7 +78,7 @@ def test_reserve_exact_busy_names_the_holder():
 
 def test_plan_resolves_a_device_list(monkeypatch):
     monkeypatch.setattr(accelerators, "detect", lambda: list(DEVS))
-    opts = distributed(gpus=[2, 0], mlflow=False)(_noop).settings
+    opts = distributed(gpus=[2, 0])(_noop).settings
     plan = plan_local(_noop, opts)
     assert plan.world_size == 2 and plan.gpus_wanted == [2, 0]
     assert [d.index for d in plan.devices] == [2, 0]
@@ -87,7 +87,7 @@ def test_plan_resolves_a_device_list(monkeypatch):
         assert base_env(opts, 2, got.devices)["CUDA_VISIBLE_DEVICES"] == "2,0"
     finally:
         got.release()
-    bad = distributed(gpus=[7], mlflow=False)(_noop).settings
+    bad = distributed(gpus=[7])(_noop).settings
     with pytest.raises(LaunchError, match="GPU 7 is not visible"):
         plan_local(_noop, bad)
 

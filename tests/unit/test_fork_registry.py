@@ -5,23 +5,8 @@ from __future__ import annotations
 
 import os
 
+from fakes import FakeServer
 from gangrun.launch.forkserver.client import Registry, startup_signature
-
-
-class FakeServer:
-    def __init__(self, preload, env_sig, pool, start_timeout) -> None:
-        self.env_sig = env_sig
-        self.closed = False
-        self.dead = False
-
-    def alive(self) -> bool:
-        return not (self.closed or self.dead)
-
-    def close(self, wait: float = 2.0) -> None:
-        self.closed = True
-
-    def forget(self) -> None:
-        self.closed = True
 
 
 def test_a_call_with_another_signature_keeps_the_running_server():

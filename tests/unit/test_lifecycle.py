@@ -1,23 +1,19 @@
 """The call's lifecycle with a fake gang: no processes, no MLflow (together well under 5 s).
 
-The fake gang plays a script of rank exits and the files ranks would leave (results, error
-records); the real supervisor, policy, root-cause selection and outcome record run on it.
+The fake gang (``tests/fakes.py``) plays a script of rank exits and the files ranks would
+leave (results, error records); the real supervisor, policy, root-cause selection and outcome record run on it.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
-import queue
 import signal
 import time
-from collections.abc import Callable
-from dataclasses import replace
 
 import pytest
 
-from gangrun import serialization
+from fakes import FakeGang, both_return, call, supervisor
 from gangrun.api import Options
 from gangrun.errors import (
     DistributedCancelledError,
@@ -26,81 +22,9 @@ from gangrun.errors import (
     DistributedTimeoutError,
     LaunchError,
 )
-from gangrun.launch import GangSpec, RankExit
 from gangrun.lifecycle.observers import CallView, Observer
-from gangrun.lifecycle.plan import Plan
 from gangrun.lifecycle.policy import Decision, RestartPolicy
 from gangrun.lifecycle.state import IllegalTransition, Outcome, State, StateMachine
-from gangrun.lifecycle.supervisor import Supervisor
-from gangrun.records import ErrorRecord
-
-Script = Callable[["FakeGang"], None]
-
-
-class FakePump:
-    def close(self, drain_timeout: float = 0.0) -> None:
-        pass
-
-
-class FakeGang:
-    """Ranks that do what the script says; stop() 'kills' the ranks still running."""
-
-    def __init__(self, spec: GangSpec, events: queue.Queue, script: Script, attempt: int):
-        self.spec, self.events, self.script, self.attempt = spec, events, script, attempt
-        self.pids = {r.rank: 10_000_000 + r.rank for r in spec.ranks}  # never real pids
-        self.exited: set[int] = set()
-        self.stopped = self.closed = False
-
-    def start(self) -> None:
-        self.script(self)
-
-    def alive(self) -> list[int]:
-        return [r for r in self.pids if r not in self.exited]
-
-    def stop(self, grace: float | None = None) -> None:
-        self.stopped = True
-        for r in self.alive():
-            self.exit(r, -signal.SIGTERM)
-
-    def reap_leftovers(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-    # what a rank does
-    def exit(self, rank: int, code: int, at: float | None = None) -> None:
-        self.exited.add(rank)
-        self.events.put(RankExit(rank, code, time.time() if at is None else at))
-
-    def ret(self, rank: int, value: object) -> None:
-        serialization.atomic_dump(value, os.path.join(self.spec.run_dir, f"result.{rank}.pkl"))
-        self.exit(rank, 0)
-
-    def step(self, rank: int, step: int, resumed: int = -1) -> None:
-        """What ``gangrun.report_step`` (and ``report_resumed``) leave: ``progress.<rank>``."""
-        now = time.time()
-        line = f"{step} -1 {resumed} {step} {now:.6f} {now:.6f}".ljust(95) + "\n"
-        with open(os.path.join(self.spec.run_dir, f"progress.{rank}"), "w") as f:
-            f.write(line)
-
-    def fail(
-        self,
-        rank: int,
-        msg: str,
-        *,
-        code: int = 1,
-        exc: str = "ValueError",
-        at: float = 0.0,
-        frame: str | None = None,
-    ) -> None:
-        rec = ErrorRecord(
-            rank, exc, msg, f"Traceback...\n{exc}: {msg}\n", at or time.time(), frame=frame
-        )
-        if exc == "SystemExit":
-            rec = replace(rec, exitcode=code)
-        serialization.atomic_dump(rec, os.path.join(self.spec.run_dir, f"error.{rank}.pkl"))
-        self.exit(rank, code)
 
 
 class Recorder(Observer):
@@ -109,47 +33,6 @@ class Recorder(Observer):
 
     def on_transition(self, state: State, run: CallView) -> None:
         self.states.append(state)
-
-
-def fn() -> None:
-    pass
-
-
-def call(*scripts: Script, n: int = 2, observers=None, **opts) -> Supervisor:
-    """Start a supervised call whose attempt i plays scripts[i]."""
-    opts.setdefault("processes", n)
-    opts.setdefault("mlflow", False)
-    opts.setdefault("grace_period", 0.1)
-    opts.setdefault("restart_backoff", 0.0)
-    o = Options(**opts).validate()
-    attempts: list[FakeGang] = []
-
-    def factory(spec: GangSpec, pump: object, events: queue.Queue) -> FakeGang:
-        g = FakeGang(spec, events, scripts[min(len(attempts), len(scripts) - 1)], len(attempts))
-        attempts.append(g)
-        return g
-
-    sup = Supervisor(
-        fn,
-        (),
-        {},
-        o,
-        stdout=io.StringIO(),
-        stderr=io.StringIO(),
-        gang_factory=factory,  # type: ignore[arg-type]
-        planner=lambda f, opts: (Plan(n), None),
-        pump_factory=lambda *a: FakePump(),
-        observers=observers or (),
-    )
-    sup.gangs = attempts  # type: ignore[attr-defined]
-    sup.start()
-    assert sup.wait(10), "the call did not end"
-    return sup
-
-
-def both_return(g: FakeGang) -> None:
-    g.ret(0, "a")
-    g.ret(1, "b")
 
 
 def test_success_outcome_and_transitions():
@@ -239,11 +122,7 @@ def test_cancel_travels_as_an_event():
         gangs.append(FakeGang(spec, events, lambda g: None, 0))
         return gangs[-1]
 
-    sup = Supervisor(
-        fn, (), {}, o, stderr=io.StringIO(), gang_factory=factory,
-        planner=lambda f, opts: (Plan(2), None),
-        pump_factory=lambda *a: FakePump(),
-    )  # fmt: skip
+    sup = supervisor(o, factory)
     sup.start()
     assert sup.cancel("cancelled", wait=5)
     assert isinstance(sup.outcome.error, DistributedCancelledError)
@@ -274,12 +153,7 @@ def test_launch_failure_releases_everything():
 
     o = Options(processes=2, mlflow=False).validate()
     made: list[FakeGang] = []
-    sup = Supervisor(
-        fn, (), {}, o, stderr=io.StringIO(),
-        gang_factory=lambda s, p, e: made.append(FakeGang(s, e, boom, 0)) or made[-1],
-        planner=lambda f, opts: (Plan(2), None),
-        pump_factory=lambda *a: FakePump(),
-    )  # fmt: skip
+    sup = supervisor(o, lambda s, p, e: made.append(FakeGang(s, e, boom, 0)) or made[-1])
     with pytest.raises(LaunchError):
         sup.start()
     assert sup.done() and sup.outcome.state is State.FAILED

@@ -13,8 +13,8 @@ import queue
 from dataclasses import FrozenInstanceError
 
 import pytest
-from test_lifecycle import FakeGang, FakePump, both_return, call, fn
 
+from fakes import FakeGang, FakePump, both_return, call, fn
 from gangrun.api import Options
 from gangrun.errors import DistributedError, LaunchError
 from gangrun.launch import GangSpec

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
+from conftest import run_python
 from gangrun.launch import GangSpec, RankSpec
 from gangrun.launch.ray import node_envs
 from gangrun.launch.ray.records import NodeInfo
@@ -54,10 +53,8 @@ def test_cpu_ranks_keep_user_threads_and_drop_caller_devices():
 
 
 def test_import_does_not_import_ray():
-    import subprocess
-
     code = (
         "import sys, gangrun.launch.ray, gangrun.cli, gangrun.compat; print('ray' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_python(code, check=True)
     assert out.stdout.strip() == "False"

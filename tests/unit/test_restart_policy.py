@@ -1,7 +1,7 @@
 """The restart rules (lifecycle/policy.py) and the back-off between attempts, process-free.
 
 The policy is judged on facts alone; the supervisor runs on the fake gang of
-``test_lifecycle`` (no processes, no MLflow).
+``tests/fakes.py`` (no processes, no MLflow).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 import time
 
 import pytest
-from test_lifecycle import FakeGang, both_return, call
 
+from fakes import FakeGang, both_return, call
 from gangrun.errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from gangrun.lifecycle.attempts import annotate, attempts_json
 from gangrun.lifecycle.policy import AttemptFacts, Decision, RestartPolicy

@@ -3,10 +3,11 @@ starts (ranks importing ``conftest`` again to unpickle a test's function) make n
 
 from __future__ import annotations
 
-import os
-import subprocess
+import re
 import sys
 from pathlib import Path
+
+from conftest import run_bounded, run_python
 
 TESTS = Path(__file__).resolve().parents[1]
 IMPORT_CONFTEST = (
@@ -15,17 +16,8 @@ IMPORT_CONFTEST = (
 
 
 def _import_conftest(tmp: Path, **extra: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "GANGRUN_TEST_SESSION_TMP"}
-    env.update(TMPDIR=str(tmp), **extra)
-    proc = subprocess.run(
-        [sys.executable, "-c", IMPORT_CONFTEST],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
+    env: dict[str, str | None] = {"GANGRUN_TEST_SESSION_TMP": None, "TMPDIR": str(tmp), **extra}
+    return run_python(IMPORT_CONFTEST, env=env, timeout=120, check=True).stdout.strip()
 
 
 def test_session_tmp_is_removed_when_the_session_exits(tmp_path):
@@ -41,3 +33,17 @@ def test_a_process_of_the_session_reuses_its_tmp(tmp_path):
     assert used == str(session)
     assert [p.name for p in tmp_path.iterdir()] == [session.name]  # none of its own
     assert session.is_dir()  # and the session's is left to the session
+
+
+def test_the_unit_tier_fails_past_its_time_budget(tmp_path):
+    """The budget CI enforces (conftest ``UNIT_BUDGET_S``): an inner session of a copy of
+    this conftest, whose one unit test passes but takes longer than the budget, fails."""
+    unit = tmp_path / "tests" / "unit"
+    unit.mkdir(parents=True)
+    (tmp_path / "tests" / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (unit / "test_slow.py").write_text("import time\n\ndef test_slow():\n    time.sleep(0.3)\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"]
+    over = run_bounded([*cmd, "--unit-budget=0.1", str(unit)], cwd=tmp_path, timeout=120)
+    assert over.returncode == 1 and "1 passed" in over.stdout, over.stdout + over.stderr
+    assert re.search(r"unit tier: \d+\.\d s of its 0\.1 s budget", over.stdout), over.stdout
+    assert "over its budget of 0.1 s" in over.stdout

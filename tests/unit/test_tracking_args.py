@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from conftest import run_python
 from gangrun import LaunchError, distributed
 from gangrun.cli import _parser, _split_run
 from gangrun.cli_options import options_from_args
@@ -42,6 +40,7 @@ def test_bad_mlflow_options(kwargs, fragment):
         distributed(processes=1)(_noop).options(**kwargs)
 
 
+@pytest.mark.mlflow  # run_id= needs tracking on
 def test_good_mlflow_options():
     f = distributed(processes=1, experiment_name="e", run_name="r", run_id="abc", tags={"k": "v"})(
         _noop
@@ -126,5 +125,5 @@ def test_rank_side_imports_nothing_of_the_caller_side():
         "bad = [m for m in ('mlflow', 'gangrun.tracking.caller', 'gangrun.tracking.plan') "
         "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_python(code)
     assert out.returncode == 0, out.stdout + out.stderr
