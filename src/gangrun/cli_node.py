@@ -80,23 +80,11 @@ def _read_record(run_dir: str, uid: int) -> dict[str, Any] | None:
 
 def find_calls(tmp: str | None = None) -> list[CallRef]:
     """This uid's calls with a run directory in the temp dir, oldest first."""
-    from .platform import process_identity
+    from .platform import own_dirs, process_identity
 
-    tmp = tmp or tempfile.gettempdir()
     uid = os.getuid()
     out: list[CallRef] = []
-    try:
-        names = [n for n in os.listdir(tmp) if n.startswith("gangrun-")]
-    except OSError:
-        return out
-    for name in names:
-        path = os.path.join(tmp, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
-            continue  # another user's, or not a run directory: invisible
+    for path in own_dirs(tmp or tempfile.gettempdir(), "gangrun-"):  # others': invisible
         rec = _read_record(path, uid)
         if rec is None:
             continue

@@ -273,3 +273,22 @@ def free_port(host: str = "127.0.0.1") -> int:
                 del _recent_ports[:-256]
                 return port
     return port
+
+
+def own_dirs(tmp: str, prefix: str) -> list[str]:
+    """The directories in ``tmp`` whose name starts with ``prefix`` and that belong to this
+    user: real directories, never a symlink (a name planted by another user is not ours)."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(prefix)]
+    except OSError:
+        return []
+    uid, out = os.getuid(), []
+    for name in sorted(names):
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # gone meanwhile
+        if st.st_uid == uid and os.path.isdir(path) and not os.path.islink(path):
+            out.append(path)
+    return out

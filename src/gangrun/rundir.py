@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from .platform import process_identity
+from .platform import own_dirs, process_identity
 from .records import RankContext
 
 log = logging.getLogger("gangrun.rundir")
@@ -155,21 +155,9 @@ def remove_unrecorded(run_id: str, tmp: str | None = None) -> list[str]:
     """Remove this user's run directories of call ``run_id`` (``gangrun-<run_id>-*``): the
     call was interrupted (Ctrl-C between two bytecodes) after `create` made its directory
     and before the call recorded it. Run ids are random: no other call's directory matches."""
-    tmp = tmp or tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        names = [n for n in os.listdir(tmp) if n.startswith(f"gangrun-{run_id}-")]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(tmp, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if st.st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    removed = own_dirs(tmp or tempfile.gettempdir(), f"gangrun-{run_id}-")
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
@@ -188,18 +176,8 @@ def reap_stale(tmp: str | None = None, *, force: bool = False) -> list[str]:
         return []
     _reaped_stale = True
     removed: list[str] = []
-    tmp = tmp or tempfile.gettempdir()
-    try:
-        names = [n for n in os.listdir(tmp) if n.startswith("gangrun-")]
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for name in names:
-        path = os.path.join(tmp, name)
+    for path in own_dirs(tmp or tempfile.gettempdir(), "gangrun-"):
         try:
-            st = os.lstat(path)
-            if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
-                continue
             ctx = RunDir(path).read_context()
         except (OSError, ValueError):
             continue  # not a run directory, or still being written: not ours to judge

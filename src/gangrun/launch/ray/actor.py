@@ -51,18 +51,9 @@ _JANITOR = (
 
 def reap_node_leftovers(tmp: str | None = None) -> list[str]:
     """Remove the directories of this user's rank actors on this node that are gone."""
-    tmp = tmp or tempfile.gettempdir()
     removed: list[str] = []
-    try:
-        names = [n for n in os.listdir(tmp) if n.startswith(PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(tmp, name)
+    for path in platform.own_dirs(tmp or tempfile.gettempdir(), PREFIX):
         try:
-            st = os.lstat(path)
-            if st.st_uid != os.getuid() or not os.path.isdir(path) or os.path.islink(path):
-                continue
             with open(os.path.join(path, OWNER)) as f:
                 owner = f.read().strip()
         except OSError:
