@@ -251,6 +251,45 @@ def test_ctrl_c_inside_a_request_does_not_desync_the_channel(window, monkeypatch
     assert all(o["ppid"] == server.pid for o in out), "the call did not use the same server"
 
 
+def _pipes() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                out.add(fd)
+        except OSError:
+            pass
+    return out
+
+
+def test_ctrl_c_between_the_fork_and_the_gang_keeping_its_ranks_leaks_no_pipe(monkeypatch):
+    """Soak (CI seed) run 39: Ctrl-C landed after the fork server had forked the ranks and
+    before the gang kept their handles; each rank's status pipe stayed open in the caller."""
+    import gc
+
+    from gangrun.launch.forkserver.spawner import ForkServerSpawner
+
+    _describe.distributed("warm-up")
+    gc.collect()
+    before = _pipes()
+    real_start = ForkServerSpawner.start
+
+    def interrupted_start(self, spec, ranks):
+        real_start(self, spec, ranks)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ForkServerSpawner, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        _describe.distributed("interrupted")
+    monkeypatch.undo()
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _pipes() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pipes() - before, "pipes left open by the interrupted call"
+    assert [o["echo"] for o in _describe.distributed("after")] == ["after", "after"]
+
+
 def test_server_death_stops_its_running_ranks(tmp_path):
     handle = _sleep_and_report.submit(str(tmp_path / "pids"))
     pids = _read_pids(str(tmp_path / "pids"))

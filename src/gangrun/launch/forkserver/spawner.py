@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import signal
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,13 @@ def server_death(server: ForkServer | None) -> LostRank:
     return LostRank(f"the fork server (pid {server.pid}) died{how}", hint=RESTART_HINT)
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class ForkedProcess:
     """A rank forked by the server: its exit code arrives on a status pipe."""
 
@@ -55,9 +63,17 @@ class ForkedProcess:
         self._status_r = status_r
         self._server = server
         self.lost: LostRank | None = None  # set when the server died with this rank running
+        # Never waited for (Ctrl-C between the fork and the gang keeping this handle): the
+        # status pipe's read end is closed when the handle goes, not leaked.
+        self._unwaited = weakref.finalize(self, _close_quietly, status_r)
+
+    def discard(self) -> None:
+        """The start failed: close the status pipe now (the handle will not be waited for)."""
+        self._unwaited()
 
     def wait(self) -> int:
         data = b""
+        self._unwaited.detach()  # from here on wait() owns (and closes) the descriptor
         fd, self._status_r = self._status_r, -1
         try:
             while len(data) < p.STATUS.size:
@@ -126,28 +142,28 @@ class ForkServerSpawner:
         self, server: ForkServer, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]
     ) -> list[RankProcess]:
         send: list[int] = []
-        status_r: list[int] = []
         owned: list[int] = []  # status write ends: ours to close once sent
+        handles: list[ForkedProcess] = []  # each owns its status read end from the start
         msgs = []
         try:
             for r, io in ranks:
                 st_r, st_w = os.pipe()
-                status_r.append(st_r)
                 owned.append(st_w)
+                handles.append(ForkedProcess(r.rank, 0, st_r, server))
                 send += [io.out_w, io.err_w, io.live_r, st_w]
                 msgs.append(p.ForkRank(r.rank, r.env, spec.cwd))
             pids = server.fork(msgs, send)
             if len(pids) != len(ranks):
                 raise ForkServerError(f"the fork server started {len(pids)} of {len(ranks)} ranks")
+            for h, pid in zip(handles, pids, strict=True):
+                h.pid = pid
         except BaseException:
-            close_fds(status_r)
+            for h in handles:
+                h.discard()
             raise
         finally:
             close_fds(owned)
-        return [
-            ForkedProcess(r.rank, pid, st, server)
-            for (r, _), pid, st in zip(ranks, pids, status_r, strict=True)
-        ]
+        return list(handles)
 
     def release(self, grace: float) -> None:
         server, self.server = self.server, None
