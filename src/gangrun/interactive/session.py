@@ -300,7 +300,7 @@ class Gang(Exchanges):
         """Signal one rank (on its node: through its actor on Ray)."""
         handle = self._handle
         if self.options.backend == "ray":
-            attempt = None if handle is None else handle._run.gang
+            attempt = None if handle is None else handle.supervisor.gang
             if attempt is not None:
                 attempt.signal_rank(rank, sig)
             return

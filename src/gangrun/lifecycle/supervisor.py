@@ -29,6 +29,7 @@ from . import calls
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, request_stop
 from .collect import RankFiles
+from .done import DoneEvent, DoneHook
 from .observers import CallInfo, MlflowObserver, NoticeObserver, Observer, notify, tell
 from .plan import Plan, check_gpu_type, rank_context, rank_specs, tracking_info
 from .policy import Decision
@@ -105,7 +106,7 @@ class Supervisor:
         self._cancel_reason: str | None = None
         self._ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._done = DoneEvent()  # hooks: the handle's future state, its callbacks
         self._released = False
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -138,6 +139,9 @@ class Supervisor:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def on_done(self, hook: DoneHook) -> None:
+        self._done.subscribe(hook)  # hook.settle() before done() turns True, notify() after
 
     def wait(self, timeout: float | None = None) -> bool:
         # In slices: the main thread stays responsive to KeyboardInterrupt (also one raised by
