@@ -222,7 +222,7 @@ def test_error_html_root_cause_first_others_folded():
 def test_handle_html():
     h = types.SimpleNamespace(
         done=lambda: True,
-        _run=types.SimpleNamespace(fn_name="f<1>"),
+        fn_name="f<1>",
         world_size=2,
         run_id="r1",
         mlflow_run_id="m1",

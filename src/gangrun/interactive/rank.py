@@ -75,7 +75,7 @@ def _trimmed_tb(exc: BaseException) -> str:
 def _error_record(rank: int, exc: BaseException) -> dict[str, Any]:
     import dataclasses
 
-    from ..worker import _error_record as record
+    from ..worker import error_record as record
 
     return dataclasses.asdict(record(rank, exc, _trimmed_tb(exc)))
 

@@ -87,7 +87,7 @@ class ControlObserver(Observer):
         run = self.run
         gang = run.gang
         tracker = run.tracker
-        devices = [d.index for d in getattr(run, "_devices", [])]
+        devices = [d.index for d in getattr(run, "devices", [])]
         return {
             "run_id": run.run_id,
             "function": run.fn_name,

@@ -51,7 +51,7 @@ class NarratorObserver(Observer):
         run, rid = self.run, call.run_id
         if state is State.LAUNCHING:
             self.attempt_t0 = time.monotonic()
-            gpus = [f"{d.index} ({d.name})" for d in getattr(run, "_devices", [])]
+            gpus = [f"{d.index} ({d.name})" for d in getattr(run, "devices", [])]
             log.debug(
                 "call %s: attempt %d/%d launching: run dir %s, logs %s, GPUs %s",
                 rid,

@@ -100,11 +100,11 @@ class Supervisor:
         self.gang: Gang | None = None
         self.pump: OutputPump | None = None
         self._gang_open = False
-        self._devices: list[Accelerator] = []
+        self.devices: list[Accelerator] = []
         self._reservation: Reservation | None = None
         self._events: queue.Queue[QueueItem] | None = None
         self._cancel_reason: str | None = None
-        self._ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
+        self.ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
         self._done = DoneEvent()  # hooks: the handle's future state, its callbacks
         self._released = False
@@ -169,7 +169,7 @@ class Supervisor:
         `CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
             return False
-        if checkpoint and self._ckpt_env:  # a preemption: lifecycle/checkpoints.py
+        if checkpoint and self.ckpt_env:  # a preemption: lifecycle/checkpoints.py
             return request_stop(self, wait)
         with self._lock:
             if self._cancel_reason is None:
@@ -224,9 +224,9 @@ class Supervisor:
             from ..reservation import reserve_wanted
 
             self._reservation = reserve_wanted(plan.devices, plan.gpus_wanted, self.opts.gpu_wait)
-            self._devices = list(self._reservation.devices)
-            check_gpu_type(self._devices, self.opts.gpu_type)
-            plan.gpu_name = self._devices[0].name
+            self.devices = list(self._reservation.devices)
+            check_gpu_type(self.devices, self.opts.gpu_type)
+            plan.gpu_name = self.devices[0].name
         reap_stale()
         self.rundir = create(plan.run_id, self.opts.log_dir)
         self.run_dir, self.log_dir = self.rundir.path, self.rundir.logs
@@ -244,7 +244,7 @@ class Supervisor:
         if self._mlflow is not None:
             self.call.tracking = tracking_info(plan, self.opts, self.fn, self.args, self.kwargs)
             self._mlflow.start(self.call)  # bad tracking input: a LaunchError, nothing started
-        self._ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
+        self.ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
 
     def _launch_attempt(self) -> None:
         assert self.plan is not None and self.rundir is not None and self.context is not None
@@ -260,7 +260,7 @@ class Supervisor:
         tracked: dict[str, str] = {}
         for obs in self.observers:
             tracked.update(obs.rank_env())
-        tracked.update(self._ckpt_env)
+        tracked.update(self.ckpt_env)
         spec = GangSpec(
             run_id=self.plan.run_id,
             run_dir=self.rundir.path,
@@ -268,7 +268,7 @@ class Supervisor:
                 self.plan,
                 self.opts,
                 run_dir=self.rundir.path,
-                devices=self._devices,
+                devices=self.devices,
                 attempt=self.call.attempt,
                 tracking_env=tracked,
             ),
