@@ -11,15 +11,18 @@ import shutil
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import _base as _futures
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 from . import defaults as _defaults
 from .errors import DistributedError, LaunchError
 from .options import Options
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from .lifecycle.supervisor import Supervisor
     from .lifecycle.watch import Progress
+    from .option_kwargs import OptionKwargs
 
 log = logging.getLogger("gangrun.api")
 P = ParamSpec("P")
@@ -68,6 +71,8 @@ class RunHandle(concurrent.futures.Future[list[R]]):
     the call's ``DistributedError`` (a cancelled call: ``DistributedCancelledError``, which
     ``exception()`` returns); ``cancel()`` stops every rank.
     """
+
+    _done_callbacks: list[Callable[[concurrent.futures.Future[list[R]]], object]]  # Future's
 
     def __init__(self, run: Supervisor) -> None:
         super().__init__()
@@ -313,7 +318,7 @@ class DistributedFunction(Generic[P, R]):
                 handle.cancel(wait=60.0, reason="interrupted")
             raise
 
-    def options(self, **overrides: Any) -> DistributedFunction[P, R]:
+    def options(self, **overrides: Unpack[OptionKwargs]) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. ``train.options(processes=4).distributed()``."""
         _defaults.check_names(overrides, "option")
         explicit = dict(self._explicit)
@@ -342,26 +347,11 @@ def distributed(fn: Callable[P, R], /) -> DistributedFunction[P, R]: ...
 
 @overload
 def distributed(
-    fn: None = None,
-    /,
-    *,
-    gpus: int | list[int] | None = None,
-    processes: int | None = None,
-    gpu_type: str | None = None,
-    timeout: float | None = ...,
-    mlflow: bool = ...,
-    env: Mapping[str, str] | None = None,
-    max_restarts: int = ...,
-    output: Literal["all", "rank0", "none"] = ...,
-    experiment_name: str | None = None,
-    run_name: str | None = None,
-    run_id: str | None = None,
-    tags: Mapping[str, str] | None = None,
-    **more: Any,
+    fn: None = None, /, **options: Unpack[OptionKwargs]
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]: ...
 
 
-def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
+def distributed(fn: Any = None, /, **options: Unpack[OptionKwargs]) -> Any:
     """Decorate a function to run on every GPU of this node (or ``processes=N`` CPU ranks).
 
     ``@distributed`` and ``@distributed(...)`` both work; see [`Options`][gangrun.api.Options] for the
@@ -369,6 +359,7 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     not given here come, at each call, from [`gangrun.set_defaults`][gangrun.defaults.set_defaults], then the
     ``GANGRUN_<OPTION>`` environment variables, then the built-in defaults.
     """
+    kwargs: dict[str, Any] = dict(options)
     _defaults.check_names(kwargs, "@distributed argument")
     if kwargs.get("env", {}) is None:
         kwargs.pop("env", None)

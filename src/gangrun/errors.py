@@ -6,7 +6,13 @@ from .exitcodes import signal_name
 
 TYPE_CHECKING = False  # not typing's: importing typing is most of `import gangrun`'s time
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     from .records import RankFailure
+
+    # what __reduce__ returns: _rebuild and its arguments (class, message, keyword arguments)
+    Reduced = tuple[Callable[..., "DistributedError"], tuple[type["DistributedError"], str, dict]]
 
 
 class DistributedError(RuntimeError):
@@ -61,7 +67,7 @@ class DistributedError(RuntimeError):
 
         return error_html(self)
 
-    def __reduce__(self):  # keep attributes across pickling
+    def __reduce__(self) -> Reduced:  # keep attributes across pickling
         return (
             _rebuild,
             (
@@ -80,7 +86,7 @@ class DistributedError(RuntimeError):
         )
 
 
-def _rebuild(cls, message, kwargs):
+def _rebuild(cls: type[DistributedError], message: str, kwargs: dict[str, Any]) -> DistributedError:
     return cls(message, **kwargs)
 
 
@@ -118,7 +124,7 @@ class DistributedPreemptedError(DistributedError):
         self.checkpoint, self.step = checkpoint, step
         self.mlflow_run_id, self.resume = mlflow_run_id, resume
 
-    def __reduce__(self):
+    def __reduce__(self) -> Reduced:
         fn, (cls, msg, kw) = super().__reduce__()
         more = {"checkpoint": self.checkpoint, "step": self.step, "resume": self.resume}
         return fn, (cls, msg, dict(kw, mlflow_run_id=self.mlflow_run_id, **more))
@@ -143,7 +149,7 @@ class DistributedHangError(DistributedError, TimeoutError):
         self.ranks = list(ranks or [])
         self.stacks = dict(stacks or {})
 
-    def __reduce__(self):
+    def __reduce__(self) -> Reduced:
         fn, (cls, msg, kw) = super().__reduce__()
         return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks))
 

@@ -29,6 +29,9 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
 __all__ = [
     "MARKER",
     "IncompleteCheckpointError",
@@ -50,7 +53,9 @@ class IncompleteCheckpointError(FileNotFoundError):
     """The checkpoint directory has no commit marker: it was never finished."""
 
 
-def filesystem(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+def filesystem(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> tuple[AbstractFileSystem, str]:
     from fsspec.core import url_to_fs
 
     return url_to_fs(os.fspath(url), **(storage_options or {}))
