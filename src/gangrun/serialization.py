@@ -168,7 +168,9 @@ def _not_written(path: str, exc: OSError) -> LaunchError:
     return LaunchError(f"gangrun could not write the call's payload to {path}: {exc}")
 
 
-def unpicklable_error(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> LaunchError:
+def unpicklable_error(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception
+) -> LaunchError:
     culprit = None
     for name, obj in _captured(fn, args, kwargs):
         if _size(obj, 1 << 16) is None:
