@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import contract, stacks
 from .rundir import RunDir, log_path
+
+if TYPE_CHECKING:
+    from .errors import DistributedHangError
 
 ENV = contract.HANG_TIMEOUT
 _MIN_BEAT_INTERVAL_S = 0.25
@@ -127,7 +130,7 @@ class HangGuard:
         for r in live:
             self.stacks.setdefault(r, "")
 
-    def error(self, fn_name: str, run_id: str, log_dir: str) -> Any:
+    def error(self, fn_name: str, run_id: str, log_dir: str) -> DistributedHangError:
         from .errors import DistributedHangError
 
         parts = []

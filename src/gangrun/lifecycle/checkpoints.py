@@ -122,7 +122,9 @@ def request_stop(sup: Supervisor, wait: float) -> bool:
     return True
 
 
-def preempted_error(rundir: RunDir, world: int, run_id: str, fn_name: str) -> Any:
+def preempted_error(
+    rundir: RunDir, world: int, run_id: str, fn_name: str
+) -> DistributedPreemptedError | None:
     """The call's DistributedPreemptedError when its ranks stopped after saving, else None."""
     records = {}
     for r in range(world):

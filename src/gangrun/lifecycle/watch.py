@@ -26,13 +26,16 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import contract
 from ..progress import StepReport, read_all
 from ..progress_view import Progress, RankProgress, summary_line
 from .observers import CallInfo, Observer
 from .state import Outcome, State
+
+if TYPE_CHECKING:
+    from ..tracking.caller import Tracker
 
 # `run` below is the call's Supervisor (typed Any: supervisor.py imports this module)
 log = logging.getLogger("gangrun.lifecycle.watch")
@@ -257,7 +260,7 @@ class ProgressObserver(Observer):
                 log_final(tracker, p)
 
 
-def log_final(tracker: Any, p: Progress) -> None:
+def log_final(tracker: Tracker, p: Progress) -> None:
     """The last progress values on the call's MLflow run (best effort)."""
     from mlflow.entities import Metric
 

@@ -8,22 +8,26 @@ whose observer is the live panel. Outside a kernel it does nothing.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..lifecycle.observers import CallInfo, Observer
 from ..lifecycle.state import Outcome, State
 from . import kernel
 from .state import CallState
 
+if TYPE_CHECKING:
+    from ..lifecycle.supervisor import Supervisor
+    from ..options import Options
 
-def panel_wanted(opts: Any) -> bool:
+
+def panel_wanted(opts: Options) -> bool:
     return bool(getattr(opts, "progress", True)) and getattr(opts, "output", "all") != "none"
 
 
 class PanelObserver(Observer):
     """The lifecycle's observer that feeds a call's `CallState` (and so its panel)."""
 
-    def __init__(self, state: CallState, run: Any) -> None:
+    def __init__(self, state: CallState, run: Supervisor) -> None:
         self.state, self.run = state, run
         self._tracked = False
         from .resumed import ResumeWatch
@@ -56,7 +60,7 @@ class PanelObserver(Observer):
         self.state.rank_line(rank, text)
 
 
-def attach(run: Any, opts: Any) -> CallState | None:
+def attach(run: Supervisor, opts: Options) -> CallState | None:
     """In a kernel: route the call's output to the launching cell and give it a live panel
     (an observer of its lifecycle); returns the panel's ``CallState`` (or ``None``)."""
     k = kernel()
@@ -83,7 +87,7 @@ def attach(run: Any, opts: Any) -> CallState | None:
     return state
 
 
-def on_decorate(opts: Any) -> None:
+def on_decorate(opts: Options) -> None:
     """A function was decorated: in a kernel, warm the fork server for its first call."""
     if getattr(opts, "backend", "local") != "local" or getattr(opts, "start_method", "") == "spawn":
         return

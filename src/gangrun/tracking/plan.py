@@ -23,10 +23,13 @@ import shlex
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import LaunchError
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 _MAX_PARAM = 500
 _SCALARS = (int, float, str, bool, type(None))
@@ -155,7 +158,7 @@ def _active_experiment(client: Any) -> str:
     return "0"
 
 
-def _resume_target(opts: Any, client: Any, uri: str, active: Any) -> tuple[Any, str]:
+def _resume_target(opts: Options | None, client: Any, uri: str, active: Any) -> tuple[Any, str]:
     """The run to resume (``None`` for a new run) and where its id came from."""
     run_id = getattr(opts, "run_id", None)
     source = "run_id="
@@ -183,7 +186,9 @@ def _resume_target(opts: Any, client: Any, uri: str, active: Any) -> tuple[Any, 
     return run, source
 
 
-def plan_run(opts: Any, info: Mapping[str, Any], mlflow: Any, client: Any, uri: str) -> RunPlan:
+def plan_run(
+    opts: Options | None, info: Mapping[str, Any], mlflow: Any, client: Any, uri: str
+) -> RunPlan:
     """Decide experiment, parent and run for the call (raises LaunchError on bad input)."""
     active = mlflow.active_run()
     exp_name = getattr(opts, "experiment_name", None)
@@ -243,7 +248,7 @@ def context_tags(source: str | None = None) -> dict[str, str]:
     return tags
 
 
-def resolve_log_system_metrics(opts: Any, info: Mapping[str, Any]) -> bool:
+def resolve_log_system_metrics(opts: Options | None, info: Mapping[str, Any]) -> bool:
     """``log_system_metrics=None`` means on for ``gpus=`` calls, off for ``processes=``."""
     value = getattr(opts, "log_system_metrics", info.get("log_system_metrics"))
     if value is None:
