@@ -15,20 +15,7 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for p in sorted((SRC / "gangrun").rglob("*.py")):
-        parts = list(p.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = p
-    return out
-
-
-MODULES = _modules()
+from test_layers import MODULES, SRC  # every module of src/gangrun, by dotted name
 
 
 def _private(name: str) -> bool:
