@@ -22,6 +22,15 @@ def run2(fn, **opts):
     return distributed(processes=2, mlflow=False, timeout=60, **opts)(fn)
 
 
+def _value_once(go: str, x: int) -> int:
+    """Rank * x, once the test has created ``go`` (bounded by the call's timeout)."""
+    import time
+
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    return int(os.environ["RANK"]) * x
+
+
 def _join_monitor(run_id: str) -> None:
     """The call's monitor thread (which runs the done callbacks) has ended."""
     for t in threading.enumerate():
@@ -31,11 +40,14 @@ def _join_monitor(run_id: str) -> None:
 
 
 def test_wait_as_completed_results_errors_and_callbacks(tmp_path):
-    ok = run2(rankfns.report_env).submit(3)
+    go = tmp_path / "go"
+    ok = run2(_value_once).submit(str(go), 3)
     bad = run2(rankfns.fail_on_rank1).submit("exit3", str(tmp_path))
     fired: list[tuple[object, str]] = []
     ok.add_done_callback(lambda f: fired.append((f, threading.current_thread().name)))
     assert not ok.cancelled() and not bad.cancelled()
+    assert ok.running() and not ok.done()  # it waits for `go`
+    go.touch()
 
     done, pending = cf.wait([ok, bad], timeout=120)
     assert pending == set() and done == {ok, bad}
@@ -45,7 +57,7 @@ def test_wait_as_completed_results_errors_and_callbacks(tmp_path):
     assert {id(f) for f in cf.as_completed([ok, bad], timeout=5)} == {id(ok), id(bad)}
 
     assert ok.exception() is None
-    assert [r["value"] for r in ok.result(timeout=1)] == [0, 3]
+    assert ok.result(timeout=1) == [0, 3]
     err = bad.exception(timeout=1)
     assert isinstance(err, DistributedError) and err.rank == 1 and err.exitcode == 3
     assert err.handle is bad
