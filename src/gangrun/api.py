@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, overload
+from concurrent.futures import _base as _futures
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 from . import defaults as _defaults
 from .errors import DistributedError, LaunchError
 from .options import Options
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from .lifecycle.supervisor import Supervisor
     from .lifecycle.watch import Progress
+    from .option_kwargs import OptionKwargs
 
+log = logging.getLogger("gangrun.api")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -32,10 +39,44 @@ def _release_run(ref: Callable[[], Supervisor | None], run_dir: str, owner: int)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-class RunHandle(Generic[R]):
-    """A running (or finished) call, returned by ``submit()``."""
+class _Completion:
+    """The handle's ``concurrent.futures`` half, run by the call's done event
+    (`gangrun.lifecycle.done`). It holds the handle only weakly, and the event drops it once
+    run: a handle nobody holds is collected (its run directory removed) at once, whatever
+    thread ended its call. It never stores the call's error."""
+
+    def __init__(self, handle: RunHandle[Any]) -> None:
+        self._ref = weakref.ref(handle)
+        self._callbacks = handle._done_callbacks  # the list, not the handle
+
+    def settle(self) -> None:
+        handle = self._ref()
+        if handle is not None:
+            handle._settle()
+
+    def notify(self) -> None:
+        if not self._callbacks:
+            return  # no callback: not even a moment's strong reference to the handle
+        handle = self._ref()
+        if handle is not None:
+            handle._run_callbacks()
+
+
+class RunHandle(concurrent.futures.Future[list[R]]):
+    """A running (or finished) call, returned by ``submit()``.
+
+    It is a ``concurrent.futures.Future`` of the per-rank results: ``done()``,
+    ``running()``, ``cancelled()``, ``exception()``, ``add_done_callback()``, and
+    ``concurrent.futures.wait`` / ``as_completed`` work on handles. ``result()`` raises
+    the call's ``DistributedError`` (a cancelled call: ``DistributedCancelledError``, which
+    ``exception()`` returns); ``cancel()`` stops every rank.
+    """
+
+    _done_callbacks: list[Callable[[concurrent.futures.Future[list[R]]], object]]  # Future's
 
     def __init__(self, run: Supervisor) -> None:
+        super().__init__()
+        self._state = _futures.RUNNING  # a submitted call runs at once
         self._run = run
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
         # A handle dropped while its call still runs must not pull the files from under it:
@@ -45,6 +86,7 @@ class RunHandle(Generic[R]):
         self._finalizer = weakref.finalize(
             self, _release_run, weakref.ref(run), run.run_dir, run.owner_pid
         )
+        run.on_done(_Completion(self))  # settles at once if the call has already ended
 
     @property
     def run_id(self) -> str:
@@ -62,14 +104,23 @@ class RunHandle(Generic[R]):
     def log_dir(self) -> str:
         return self._run.log_dir
 
+    @property
+    def fn_name(self) -> str:
+        return self._run.fn_name
+
+    @property
+    def supervisor(self) -> Supervisor:
+        """The call's `gangrun.lifecycle.Supervisor`, for gangrun's own layers (the CLI, the
+        interactive gang); not part of the user contract."""
+        return self._run
+
     def result(self, timeout: float | None = None) -> list[R]:
         """Block until the call ends; the per-rank results in rank order.
 
         Raises the call's ``DistributedError`` on failure, or ``TimeoutError`` if it is still
         running after ``timeout`` seconds (the call keeps running; ``cancel()`` stops it).
         """
-        if not self._run.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} is still running after {timeout}s")
+        self._wait(timeout)
         try:
             return self._run.result()
         except DistributedError as err:
@@ -77,17 +128,74 @@ class RunHandle(Generic[R]):
                 err.handle = self
             raise
 
-    def done(self) -> bool:
-        return self._run.done()
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until the call ends; its error (``None`` if it succeeded). A cancelled call
+        returns its ``DistributedCancelledError`` (a plain ``Future`` raises instead).
+        ``TimeoutError`` if it is still running after ``timeout`` seconds."""
+        self._wait(timeout)
+        err = self._run.outcome.error
+        if isinstance(err, DistributedError) and err.handle is None:
+            err.handle = self
+        return err
 
-    def cancel(self, checkpoint: bool = False, wait: float = 30.0) -> bool:
-        """Stop every rank (and their descendants). True if the call was still running.
+    def _wait(self, timeout: float | None) -> None:
+        if not self._run.wait(timeout):
+            raise TimeoutError(f"run {self.run_id} is still running after {timeout}s")
+
+    def cancel(
+        self, checkpoint: bool = False, wait: float = 30.0, *, reason: str = "cancelled"
+    ) -> bool:
+        """Stop every rank (and their descendants), waiting up to ``wait`` seconds for the
+        call to end. True if the call was still running. ``reason`` is what the
+        `DistributedCancelledError` says the call was (``"cancelled"``, ``"interrupted"``).
 
         ``checkpoint=True`` (a call with ``checkpoint_dir``): the ranks first finish their
         step and save a checkpoint, within ``grace_period``; ``result()`` then raises
         [`DistributedPreemptedError`][gangrun.DistributedPreemptedError] with the line that
-        resumes the call."""
-        return self._run.cancel("cancelled", wait=wait, checkpoint=checkpoint)
+        resumes the call. ``cancelled()`` is True once the call has ended cancelled."""
+        return self._run.cancel(reason, wait=wait, checkpoint=checkpoint)
+
+    # ------------------------------------------------ concurrent.futures, completed by the call
+    def _settle(self) -> None:
+        """The call has ended (its done event, before it is set): the future's state, and
+        the waiters of ``concurrent.futures.wait`` / ``as_completed`` told."""
+        from .lifecycle.state import State
+
+        outcome = self._run.outcome
+        with self._condition:
+            if self._state not in (_futures.RUNNING, _futures.PENDING):
+                return
+            if outcome.state is State.CANCELLED:
+                self._state = _futures.CANCELLED_AND_NOTIFIED
+                for waiter in self._waiters:
+                    waiter.add_cancelled(self)
+            else:
+                self._state = _futures.FINISHED
+                for waiter in self._waiters:
+                    if outcome.error is None:
+                        waiter.add_result(self)
+                    else:
+                        waiter.add_exception(self)
+            self._condition.notify_all()
+
+    def _run_callbacks(self) -> None:
+        """The done callbacks, once (the call's ending thread); then dropped."""
+        with self._condition:
+            callbacks, self._done_callbacks[:] = list(self._done_callbacks), []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a done callback of run %s failed", self.run_id)
+
+    def set_running_or_notify_cancel(self) -> bool:
+        raise RuntimeError("a RunHandle is run and completed by its call, not by an executor")
+
+    def set_result(self, result: list[R]) -> None:
+        raise RuntimeError("a RunHandle is completed by its call")
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise RuntimeError("a RunHandle is completed by its call")
 
     def logs(self, rank: int = 0) -> str:
         """Everything rank ``rank`` wrote to stdout and stderr so far."""
@@ -123,7 +231,7 @@ class RunHandle(Generic[R]):
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
-        return f"<RunHandle {self.run_id} {self._run.fn_name} world_size={self.world_size} {state}>"
+        return f"<RunHandle {self.run_id} {self.fn_name} world_size={self.world_size} {state}>"
 
 
 class DistributedFunction(Generic[P, R]):
@@ -207,10 +315,10 @@ class DistributedFunction(Generic[P, R]):
             return handle.result()
         except KeyboardInterrupt:
             if handle is not None:
-                handle._run.cancel("interrupted", wait=60.0)
+                handle.cancel(wait=60.0, reason="interrupted")
             raise
 
-    def options(self, **overrides: Any) -> DistributedFunction[P, R]:
+    def options(self, **overrides: Unpack[OptionKwargs]) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. ``train.options(processes=4).distributed()``."""
         _defaults.check_names(overrides, "option")
         explicit = dict(self._explicit)
@@ -239,26 +347,11 @@ def distributed(fn: Callable[P, R], /) -> DistributedFunction[P, R]: ...
 
 @overload
 def distributed(
-    fn: None = None,
-    /,
-    *,
-    gpus: int | list[int] | None = None,
-    processes: int | None = None,
-    gpu_type: str | None = None,
-    timeout: float | None = ...,
-    mlflow: bool = ...,
-    env: Mapping[str, str] | None = None,
-    max_restarts: int = ...,
-    output: Literal["all", "rank0", "none"] = ...,
-    experiment_name: str | None = None,
-    run_name: str | None = None,
-    run_id: str | None = None,
-    tags: Mapping[str, str] | None = None,
-    **more: Any,
+    fn: None = None, /, **options: Unpack[OptionKwargs]
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]: ...
 
 
-def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
+def distributed(fn: Any = None, /, **options: Unpack[OptionKwargs]) -> Any:
     """Decorate a function to run on every GPU of this node (or ``processes=N`` CPU ranks).
 
     ``@distributed`` and ``@distributed(...)`` both work; see [`Options`][gangrun.api.Options] for the
@@ -266,6 +359,7 @@ def distributed(fn: Any = None, /, **kwargs: Any) -> Any:
     not given here come, at each call, from [`gangrun.set_defaults`][gangrun.defaults.set_defaults], then the
     ``GANGRUN_<OPTION>`` environment variables, then the built-in defaults.
     """
+    kwargs: dict[str, Any] = dict(options)
     _defaults.check_names(kwargs, "@distributed argument")
     if kwargs.get("env", {}) is None:
         kwargs.pop("env", None)

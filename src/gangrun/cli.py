@@ -241,17 +241,19 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
     except DistributedError as exc:
         text = speak_cli(exc)
         if handle is not None:
-            text = with_log_paths(text, handle._run.log_files(), handle.run_id, bool(opts.log_dir))
+            text = with_log_paths(
+                text, handle.supervisor.log_files(), handle.run_id, bool(opts.log_dir)
+            )
         print(f"gangrun: {text}", file=sys.stderr)
         return exit_code_for(exc)
     except KeyboardInterrupt:
         if handle is not None:
-            handle._run.cancel("interrupted", wait=60.0)
+            handle.cancel(wait=60.0, reason="interrupted")
         print("gangrun: interrupted; every rank was stopped.", file=sys.stderr)
         return EXIT_INTERRUPT
     except _Terminated:
         if handle is not None:
-            handle._run.cancel("terminated (SIGTERM)", wait=60.0)
+            handle.cancel(wait=60.0, reason="terminated (SIGTERM)")
         print("gangrun: terminated; every rank was stopped.", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .api import RunHandle
 
 CLEAR = "\r\x1b[K"
 REFRESH_S = 1.0
@@ -41,7 +46,7 @@ class StatusLine:
             self.tty.flush()
             self.shown = text
 
-    def follow(self, handle: Any) -> None:
+    def follow(self, handle: RunHandle[Any]) -> None:
         """Redraw from ``handle.progress()`` until `close`."""
         from .progress_view import summary_line
 
@@ -96,7 +101,9 @@ def _columns(tty: IO[str]) -> int:
         return 100
 
 
-def start(handle_factory: Any) -> tuple[Any, StatusLine | None]:
+def start(
+    handle_factory: Callable[[], RunHandle[Any]],
+) -> tuple[RunHandle[Any], StatusLine | None]:
     """Start the call (``handle_factory()``) with a status line when stderr is a terminal;
     returns the handle and the status line (``None``: not a terminal)."""
     err = sys.stderr

@@ -7,8 +7,12 @@ from .exitcodes import signal_name
 TYPE_CHECKING = False  # not typing's: importing typing is most of `import gangrun`'s time
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
     from .records import RankFailure
+
+    # what __reduce__ returns: _rebuild and its arguments (class, message, keyword arguments)
+    Reduced = tuple[Callable[..., "DistributedError"], tuple[type["DistributedError"], str, dict]]
 
 # An error's HTML form in a notebook (`DistributedError._repr_html_`). This module is a leaf:
 # the notebook side, imported by every decoration and call, registers its renderer here.
@@ -72,7 +76,7 @@ class DistributedError(RuntimeError):
         render = _html  # None: IPython shows the plain text
         return None if render is None else render(self)
 
-    def __reduce__(self):  # keep attributes across pickling
+    def __reduce__(self) -> Reduced:  # keep attributes across pickling
         return (
             _rebuild,
             (
@@ -91,7 +95,7 @@ class DistributedError(RuntimeError):
         )
 
 
-def _rebuild(cls, message, kwargs):
+def _rebuild(cls: type[DistributedError], message: str, kwargs: dict[str, Any]) -> DistributedError:
     return cls(message, **kwargs)
 
 
@@ -129,7 +133,7 @@ class DistributedPreemptedError(DistributedError):
         self.checkpoint, self.step = checkpoint, step
         self.mlflow_run_id, self.resume = mlflow_run_id, resume
 
-    def __reduce__(self):
+    def __reduce__(self) -> Reduced:
         fn, (cls, msg, kw) = super().__reduce__()
         more = {"checkpoint": self.checkpoint, "step": self.step, "resume": self.resume}
         return fn, (cls, msg, dict(kw, mlflow_run_id=self.mlflow_run_id, **more))
@@ -154,7 +158,7 @@ class DistributedHangError(DistributedError, TimeoutError):
         self.ranks = list(ranks or [])
         self.stacks = dict(stacks or {})
 
-    def __reduce__(self):
+    def __reduce__(self) -> Reduced:
         fn, (cls, msg, kw) = super().__reduce__()
         return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks))
 
@@ -184,7 +188,7 @@ class GangError(DistributedError):
         self.results = results if results is not None else []
         self.rank_died, self.before_start = rank_died, before_start
 
-    def __reduce__(self):
+    def __reduce__(self) -> Reduced:
         fn, (cls, msg, kw) = super().__reduce__()
         more = {"ranks": self.ranks, "results": self.results, "rank_died": self.rank_died}
         return fn, (cls, msg, dict(kw, before_start=self.before_start, **more))

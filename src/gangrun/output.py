@@ -21,6 +21,7 @@ import re
 import selectors
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -55,7 +56,7 @@ class _Stream:
 class _Target:
     """Shared state of one caller stream: who owns the open (unterminated) line."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: IO[str]) -> None:
         self.stream = stream
         self.owner: _Stream | None = None
         self.failed = False  # a write failed (reported once)
@@ -64,7 +65,13 @@ class _Target:
 class OutputPump:
     """Forward rank output to the caller and to per-rank log files until every pipe closes."""
 
-    def __init__(self, stdout: Any, stderr: Any, mode: str = "all", on_line: Any = None) -> None:
+    def __init__(
+        self,
+        stdout: IO[str],
+        stderr: IO[str],
+        mode: str = "all",
+        on_line: Callable[[int, str], None] | None = None,
+    ) -> None:
         self._on_line = on_line  # on_line(rank, text): the newest line of each read (a panel)
         self._targets = {"out": _Target(stdout), "err": _Target(stderr)}
         self._mode = mode

@@ -132,7 +132,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 @functools.lru_cache(maxsize=1)
-def _libc() -> Any:
+def load_libc() -> Any:
     """The C library, opened once per process (a fork inherits the handle): every rank calls
     it at start (subreaper, stdio buffering) and at exit (fflush)."""
     import ctypes
@@ -147,7 +147,7 @@ def become_subreaper() -> bool:
     """Make this process the child subreaper of its descendants (``PR_SET_CHILD_SUBREAPER``):
     an orphaned descendant, even one in its own session with its own environment, re-parents
     to this process instead of init, so `kill_children` still finds it."""
-    libc = _libc()
+    libc = load_libc()
     try:
         return libc is not None and libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except AttributeError:  # pragma: no cover - not Linux
@@ -199,7 +199,7 @@ def kill_children(keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
 def flush_c_stdio() -> None:
     """``fflush(NULL)``: write out what C code (``printf`` in NCCL, C++ extensions, CUDA
     libraries) left in C stdio buffers; ``os._exit`` skips it."""
-    libc = _libc()
+    libc = load_libc()
     try:
         if libc is not None:
             libc.fflush(None)
@@ -213,7 +213,7 @@ def set_c_stdio_buffering(unbuffered: bool) -> None:
     full buffering a forked child inherits, whose bytes ``os._exit`` would drop)."""
     import ctypes
 
-    libc = _libc()
+    libc = load_libc()
     if libc is None:  # pragma: no cover
         return
     mode = 2 if unbuffered else 1  # _IONBF, _IOLBF (glibc)
@@ -240,7 +240,7 @@ _at_fork = _AtFork()
 
 
 def forget_in_forked_child(obj: object) -> None:
-    """Call ``obj._after_fork_in_child()`` in any child this process forks from now on."""
+    """Call ``obj.after_fork_in_child()`` in any child this process forks from now on."""
     if not _at_fork.registered:
         _at_fork.registered = True
         os.register_at_fork(after_in_child=_run_after_fork)
@@ -250,7 +250,7 @@ def forget_in_forked_child(obj: object) -> None:
 def _run_after_fork() -> None:
     for obj in list(_at_fork.objects):
         try:
-            obj._after_fork_in_child()  # type: ignore[attr-defined]
+            obj.after_fork_in_child()  # type: ignore[attr-defined]
         except Exception:  # never break the user's fork
             log.debug("after-fork cleanup of %r failed", obj, exc_info=True)
     _at_fork.objects.clear()

@@ -143,11 +143,11 @@ def write_payload(
                 _cloudpickle().dump((fn, args, kwargs), buffered, protocol=PROTOCOL)
                 buffered.flush()
             except _TooLarge:
-                raise _too_large(fn, args, kwargs, max_bytes or 0) from None
+                raise too_large_error(fn, args, kwargs, max_bytes or 0) from None
             except (LaunchError, _WriteFailed):
                 raise
             except Exception as exc:
-                raise _unpicklable(fn, args, kwargs, exc) from exc
+                raise unpicklable_error(fn, args, kwargs, exc) from exc
             finally:
                 try:
                     buffered.detach()
@@ -168,7 +168,9 @@ def _not_written(path: str, exc: OSError) -> LaunchError:
     return LaunchError(f"gangrun could not write the call's payload to {path}: {exc}")
 
 
-def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> LaunchError:
+def unpicklable_error(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception
+) -> LaunchError:
     culprit = None
     for name, obj in _captured(fn, args, kwargs):
         if _size(obj, 1 << 16) is None:
@@ -187,7 +189,7 @@ def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Excepti
     )
 
 
-def _too_large(fn: Callable[..., Any], args: tuple, kwargs: dict, limit: int) -> LaunchError:
+def too_large_error(fn: Callable[..., Any], args: tuple, kwargs: dict, limit: int) -> LaunchError:
     sizes = []
     for name, obj in _captured(fn, args, kwargs):
         n = _size(obj, limit * 2)

@@ -55,7 +55,7 @@ def epochs(source: str, opts: dict, cache_dir: str, workers: list[int]) -> dict[
         again.load_state_dict(state)
         got["rest"] = _ids(again.loader(num_workers=nw))
         out[str(nw)] = got
-        out["keys"] = sorted(ds._access.key(e) for e in ds.table.files)  # its cache entries
+        out["keys"] = sorted(ds.file_access.key(e) for e in ds.table.files)  # its cache entries
     if out and ds.table.kind == "delta":  # time travel: the first version, without `extra`
         v0 = _dataset(source, opts, cache_dir, version=0)
         out["v0"] = sorted(_flat(_ids(v0.loader(num_workers=2))))

@@ -51,4 +51,4 @@ def test_checkpoint_uses_the_guard(monkeypatch):
     fake.FsspecReader = object  # type: ignore[attr-defined]  # FsspecWriter moved away
     monkeypatch.setitem(sys.modules, PRIVATE, fake)
     with pytest.raises(PrivateImportError, match=r"_fsspec_filesystem\.FsspecWriter.*torch>=2\.4"):
-        checkpoint._build()
+        checkpoint.storage_classes()

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "gangrun": API,  # the package's __init__: re-exports the API
     "gangrun.__main__": API,
     "gangrun.api": API,
+    "gangrun.option_kwargs": API,  # the decorator's typed keyword arguments
     "gangrun.checks": API,  # mistakes caught before anything starts (every submit())
     "gangrun.defaults": API,
     "gangrun.plain": API,  # a plain call of a decorated function: a world of one

@@ -241,7 +241,7 @@ def test_errors_is_a_leaf_the_notebook_registers_the_html():
 def test_handle_html():
     h = types.SimpleNamespace(
         done=lambda: True,
-        _run=types.SimpleNamespace(fn_name="f<1>"),
+        fn_name="f<1>",
         world_size=2,
         run_id="r1",
         mlflow_run_id="m1",

@@ -29,6 +29,9 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
 __all__ = [
     "MARKER",
     "IncompleteCheckpointError",
@@ -50,7 +53,9 @@ class IncompleteCheckpointError(FileNotFoundError):
     """The checkpoint directory has no commit marker: it was never finished."""
 
 
-def _fs(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+def filesystem(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> tuple[AbstractFileSystem, str]:
     from fsspec.core import url_to_fs
 
     return url_to_fs(os.fspath(url), **(storage_options or {}))
@@ -76,14 +81,14 @@ def _invalidate(fs: Any, root: str) -> None:
 
 def is_complete(url: str | os.PathLike[str], **storage_options: Any) -> bool:
     """Whether ``url`` is a finished checkpoint (its commit marker exists)."""
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     _invalidate(fs, path.rstrip("/"))
     return bool(fs.exists(path.rstrip("/") + "/" + MARKER))
 
 
 def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> list[str]:
     """The complete checkpoints directly under ``url``, oldest first (by commit time)."""
-    fs, root = _fs(url, storage_options)
+    fs, root = filesystem(url, storage_options)
     root = root.rstrip("/")
     _invalidate(fs, root)  # listings cached by s3fs & co. miss other processes' saves
     try:
@@ -123,7 +128,7 @@ def latest(url: str | os.PathLike[str], **storage_options: Any) -> str | None:
 def remove(url: str | os.PathLike[str], **storage_options: Any) -> None:
     """Delete checkpoint ``url``: its commit marker first, so a half-deleted checkpoint is
     never taken for a complete one."""
-    fs, path = _fs(url, storage_options)
+    fs, path = filesystem(url, storage_options)
     path = path.rstrip("/")
     with contextlib.suppress(FileNotFoundError):
         fs.rm_file(path + "/" + MARKER)
@@ -134,7 +139,7 @@ def remove(url: str | os.PathLike[str], **storage_options: Any) -> None:
 _classes: dict[str, type] = {}
 
 
-def _build() -> dict[str, type]:
+def storage_classes() -> dict[str, type]:
     if _classes:
         return _classes
     from .._compat_imports import TORCH_SUPPORTED, private_import
@@ -161,7 +166,7 @@ def _build() -> dict[str, type]:
             **storage_options: Any,
         ) -> None:
             url = os.fspath(url)
-            fs, _ = _fs(url, storage_options)
+            fs, _ = filesystem(url, storage_options)
             if sync_files is None:
                 sync_files = _protocol(fs) in _LOCAL
             super().__init__(
@@ -237,7 +242,7 @@ def _build() -> dict[str, type]:
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    class VolumeWriter(FsspecWriter):  # keywords: see _build()'s _VolumeWriter
+    class VolumeWriter(FsspecWriter):  # keywords: see storage_classes()'s _VolumeWriter
         url: str
 
         def __init__(self, url: str | os.PathLike[str], **options: Any) -> None: ...
@@ -257,7 +262,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def __getattr__(name: str) -> Any:
     if name in ("VolumeWriter", "VolumeReader"):
-        cls = _build()[name]
+        cls = storage_classes()[name]
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -292,7 +297,7 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
-    writer = _build()["VolumeWriter"](url, **(storage_options or {}), **writer_kwargs)
+    writer = storage_classes()["VolumeWriter"](url, **(storage_options or {}), **writer_kwargs)
     with _quiet_single_process():
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=_no_dist())
     return os.fspath(url)
@@ -311,7 +316,7 @@ def load(
     Returns ``state``."""
     import torch.distributed.checkpoint as dcp
 
-    reader = _build()["VolumeReader"](url, **(storage_options or {}), **reader_kwargs)
+    reader = storage_classes()["VolumeReader"](url, **(storage_options or {}), **reader_kwargs)
     if reader.require_complete and not is_complete(url, **(storage_options or {})):
         # Checked here too so the error is not wrapped in torch's CheckpointException.
         raise IncompleteCheckpointError(

@@ -150,7 +150,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
         remote = self.table.protocol not in LOCAL_PROTOCOLS
         cached = remote if cache == "auto" else bool(cache)
         self.prefetch = 2 if prefetch is None else int(prefetch)
-        self._access = FileAccess(
+        self.file_access = FileAccess(
             self.table.protocol,
             self.storage_options,
             cached,
@@ -158,7 +158,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
             parse_size(cache_limit),
         )
         self.schema, self.columns, self.units = plan_units(
-            self.table, self._access, columns, self.filter
+            self.table, self.file_access, columns, self.filter
         )
         self.rows = sum(n for _, _, n in self.units)
         self.fingerprint = fingerprint(self.table, self.units, f"{self.filter}")

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .listing import FileEntry
-from .table_source import TableError, TableFiles, _fs_path, is_delta_dir, parquet_files
+from .table_source import TableError, TableFiles, fs_path, is_delta_dir, parquet_files
 
 #: Delta reader features whose tables this reader reads correctly.
 SUPPORTED_READER_FEATURES = frozenset(
@@ -109,7 +109,7 @@ def open_delta(
 
     if version is not None and timestamp is not None:
         raise TableError("give version= or timestamp=, not both")
-    fs, path = _fs_path(source, storage_options)
+    fs, path = fs_path(source, storage_options)
     proto = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     uri = _table_uri(source, fs, path)
     opts = {**delta_storage_options(proto, storage_options), **(delta_options or {})}

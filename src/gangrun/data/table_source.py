@@ -48,7 +48,7 @@ class TableFiles:
     version: int | None = None  # Delta version
 
 
-def _fs_path(source: Any, storage_options: dict[str, Any]) -> tuple[Any, str]:
+def fs_path(source: Any, storage_options: dict[str, Any]) -> tuple[Any, str]:
     from fsspec.core import url_to_fs
 
     return url_to_fs(os.fspath(source), **storage_options)
@@ -58,7 +58,7 @@ def is_delta_dir(source: Any, storage_options: dict[str, Any]) -> bool:
     """Whether ``source`` is a directory holding a ``_delta_log``."""
     if isinstance(source, (list, tuple)) or GLOB_CHARS.search(os.fspath(source)):
         return False
-    fs, path = _fs_path(source, storage_options)
+    fs, path = fs_path(source, storage_options)
     return bool(fs.isdir(path.rstrip("/") + "/_delta_log"))
 
 
@@ -328,7 +328,7 @@ class Reader:
     def __init__(self, ds: Any, todo: list[Any], threads: bool) -> None:
         self.ds = ds  # a TableDataset
         self.todo = todo  # table_plan.Piece list
-        self.access = ds._access
+        self.access = ds.file_access
         self.threads = threads
         uses: list[int] = []
         for p in todo:

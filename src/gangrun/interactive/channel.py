@@ -15,11 +15,14 @@ import shutil
 import socket
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, DistributedTimeoutError
 from ..rank import interactive_protocol as protocol
 from .outcome import wrapped
+
+if TYPE_CHECKING:
+    from ..api import RunHandle
 
 log = logging.getLogger("gangrun.interactive")
 POLL_S = 0.25
@@ -60,7 +63,7 @@ class Listener:
         self.sock.close()
 
     def accept(
-        self, handle: Any, token: str, start_timeout: float
+        self, handle: RunHandle[Any], token: str, start_timeout: float
     ) -> tuple[dict[int, socket.socket], dict[int, int]]:
         """Every rank's authenticated connection and pid (raises if the ranks end first or
         do not all connect within ``start_timeout``)."""

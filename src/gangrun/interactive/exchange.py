@@ -63,7 +63,7 @@ class Exchanges:
         try:
             handle = self._check_usable()
             # in a kernel: this execution's output belongs to the cell running it now
-            for stream in (handle._run.call.stdout, handle._run.call.stderr):
+            for stream in (handle.supervisor.call.stdout, handle.supervisor.call.stderr):
                 retarget = getattr(stream, "retarget", None)
                 if retarget is not None:
                     retarget()
@@ -101,7 +101,7 @@ class Exchanges:
         for r in ranks:
             total = 0
             paths = [os.path.join(handle.log_dir, f"rank-{r}.log")]
-            run_dir = handle._run.run_dir
+            run_dir = handle.supervisor.run_dir
             if run_dir:
                 paths += [
                     os.path.join(run_dir, f"heartbeat.{r}"),

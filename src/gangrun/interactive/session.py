@@ -241,9 +241,9 @@ class Gang(Exchanges):
         try:
             payload = serialization.dumps((fn, args, kwargs))
         except Exception as exc:
-            raise serialization._unpicklable(fn, args, kwargs, exc) from exc
+            raise serialization.unpicklable_error(fn, args, kwargs, exc) from exc
         if limit is not None and len(payload) > limit:
-            raise serialization._too_large(fn, args, kwargs, limit)
+            raise serialization.too_large_error(fn, args, kwargs, limit)
         return payload
 
     def _healing(self, msg: protocol.Command, what: str) -> PerRank:
@@ -300,7 +300,7 @@ class Gang(Exchanges):
         """Signal one rank (on its node: through its actor on Ray)."""
         handle = self._handle
         if self.options.backend == "ray":
-            attempt = None if handle is None else handle._run.gang
+            attempt = None if handle is None else handle.supervisor.gang
             if attempt is not None:
                 attempt.signal_rank(rank, sig)
             return

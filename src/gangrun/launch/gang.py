@@ -224,7 +224,7 @@ class ProcessGang:
                 log.debug("closing a rank log failed: %s", exc)
         self._logs.clear()
 
-    def _after_fork_in_child(self) -> None:
+    def after_fork_in_child(self) -> None:
         # A child forked from the caller must not keep the caller's ranks alive (item 3).
         if self._live_w != -1:
             os.close(self._live_w)

@@ -16,7 +16,7 @@ import json
 import queue
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._log import get_logger
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
@@ -24,6 +24,10 @@ from ..options import Options
 from ..rank import progress
 from .policy import AttemptFacts, Decision, RestartPolicy, Verdict
 from .state import Attempt, CancelRequested, State
+
+if TYPE_CHECKING:
+    from ..tracking.caller import Tracker
+    from .seams import QueueItem
 
 # get_logger applies GANGRUN_LOG_LEVEL (DEBUG/INFO: each decision, the back-off, on stderr)
 log = get_logger("gangrun.lifecycle.restarts")
@@ -106,7 +110,7 @@ class Restarts:
     def back_off(
         self,
         seconds: float,
-        events: queue.Queue[Any] | None,
+        events: queue.Queue[QueueItem] | None,
         cancelled: Callable[[], str | None],
         started: float,
     ) -> Attempt | None:
@@ -212,7 +216,7 @@ def attempts_json(attempts: list[Attempt]) -> str:
     return json.dumps({"attempts": out}, indent=1)
 
 
-def record_mlflow(tracker: Any, attempts: list[Attempt], final: bool) -> None:
+def record_mlflow(tracker: Tracker | None, attempts: list[Attempt], final: bool) -> None:
     """Tag the run with the number of attempts and attach ``gangrun_attempts.json`` (on each
     restart and at the end: one run holds every attempt). Raises what MLflow raises."""
     if tracker is None or not attempts:

@@ -43,10 +43,10 @@ def _normalise(url: str) -> str:
 
 def check_writable(url: str) -> None:
     """Create ``url`` and write (then delete) a probe file in it; a LaunchError if not."""
-    from ..checkpoint import _fs
+    from ..checkpoint import filesystem
 
     try:
-        fs, path = _fs(url)
+        fs, path = filesystem(url)
         path = path.rstrip("/")
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/.gangrun-probe-{uuid.uuid4().hex[:8]}"
@@ -122,7 +122,9 @@ def request_stop(sup: Supervisor, wait: float) -> bool:
     return True
 
 
-def preempted_error(rundir: RunDir, world: int, run_id: str, fn_name: str) -> Any:
+def preempted_error(
+    rundir: RunDir, world: int, run_id: str, fn_name: str
+) -> DistributedPreemptedError | None:
     """The call's DistributedPreemptedError when its ranks stopped after saving, else None."""
     records = {}
     for r in range(world):
@@ -162,7 +164,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, _previous if _previous is not None else signal.SIG_DFL)
     _sigterm_installed = False  # a second SIGTERM: the previous behaviour (stop now)
     live = calls.active()
-    ckpt = [c for c in live if getattr(c, "_ckpt_env", None)]
+    ckpt = [c for c in live if getattr(c, "ckpt_env", None)]
     if not ckpt:
         if callable(_previous):
             _previous(signum, frame)

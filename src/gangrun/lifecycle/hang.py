@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..rank import stacks
 from ..rank.heartbeat import heartbeat_path
 from ..rundir import RunDir, log_path
+
+if TYPE_CHECKING:
+    from ..errors import DistributedHangError
 
 
 def last_progress(run_dir: str, log_dir: str, rank: int, since: float) -> float:
@@ -87,7 +90,7 @@ class HangGuard:
         for r in live:
             self.stacks.setdefault(r, "")
 
-    def error(self, fn_name: str, run_id: str, log_dir: str) -> Any:
+    def error(self, fn_name: str, run_id: str, log_dir: str) -> DistributedHangError:
         from ..errors import DistributedHangError
 
         parts = []

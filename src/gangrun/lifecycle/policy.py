@@ -33,9 +33,12 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .state import State
+
+if TYPE_CHECKING:
+    from ..options import Options
 
 
 class Decision(enum.Enum):
@@ -122,7 +125,7 @@ class RestartPolicy:
     backoff_max: float = 60.0
 
     @classmethod
-    def of(cls, options: Any) -> RestartPolicy:
+    def of(cls, options: Options) -> RestartPolicy:
         """The policy of a call's [`gangrun.Options`][gangrun.api.Options]."""
         return cls(options.max_restarts, options.restart_backoff, options.restart_backoff_max)
 

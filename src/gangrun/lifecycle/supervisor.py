@@ -28,6 +28,7 @@ from . import calls
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, request_stop
 from .collect import RankFiles
+from .done import DoneEvent, DoneHook
 from .observers import MlflowObserver, NoticeObserver, Observer, Observers
 from .plan import check_gpu_type, function_name, rank_context, rank_specs
 from .policy import Decision
@@ -110,9 +111,9 @@ class Supervisor:
         self._reservation: Reservation | None = None
         self._events: queue.Queue[QueueItem] | None = None
         self._cancel_reason: str | None = None
-        self._ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
+        self.ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._done = DoneEvent()  # hooks: the handle's future state, its callbacks
         self._released = False
         self._thread: threading.Thread | None = None
         self._started = 0.0
@@ -177,6 +178,9 @@ class Supervisor:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def on_done(self, hook: DoneHook) -> None:
+        self._done.subscribe(hook)  # hook.settle() before done() turns True, notify() after
+
     def wait(self, timeout: float | None = None) -> bool:
         # In slices: the main thread stays responsive to KeyboardInterrupt (also one raised by
         # _thread.interrupt_main()); the event still wakes the waiter at once at the end.
@@ -203,7 +207,7 @@ class Supervisor:
         `CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
         if self._done.is_set():
             return False
-        if checkpoint and self._ckpt_env:  # a preemption: lifecycle/checkpoints.py
+        if checkpoint and self.ckpt_env:  # a preemption: lifecycle/checkpoints.py
             return request_stop(self, wait)
         with self._lock:
             if self._cancel_reason is None:
@@ -274,7 +278,7 @@ class Supervisor:
         if opts.mlflow:  # bad tracking input: a LaunchError, nothing started
             gpu = self._devices[0].name if self._devices else None
             self._tracker = self._track(tracking_info(call, gpu), call.stdout)
-        self._ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
+        self.ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
 
     def _launch_attempt(self) -> None:
         assert self.rundir is not None and self._context is not None
@@ -289,7 +293,7 @@ class Supervisor:
             self.rundir, call.world_size, call.run_id, opts.grace_period, call.fn_name
         )
         tracked = {} if self._tracker is None else dict(self._tracker.rank_env())
-        tracked.update(self._ckpt_env)
+        tracked.update(self.ckpt_env)
         spec = GangSpec(
             run_id=call.run_id,
             run_dir=self.rundir.path,

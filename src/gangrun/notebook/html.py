@@ -159,8 +159,7 @@ def handle_html(handle: Any) -> str:
     """``RunHandle._repr_html_``: state, ranks, run link."""
     done = bool(getattr(handle, "done", lambda: False)())
     state = "done" if done else "running"
-    run = getattr(handle, "_run", None)
-    fn = getattr(run, "fn_name", "?")
+    fn = getattr(handle, "fn_name", "?")
     mlflow_id = getattr(handle, "mlflow_run_id", None)
     rows = [
         ("state", _badge(state)),

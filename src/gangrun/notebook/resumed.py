@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..rank import progress
 from .state import CallState
+
+if TYPE_CHECKING:
+    from ..lifecycle.observers import CallView
 
 log = logging.getLogger("gangrun.notebook")
 
@@ -18,7 +21,7 @@ class ResumeWatch:
     """A daemon thread that reads the run directory's step reports every ``interval``
     seconds while the call runs and tells the `CallState` the resumed step."""
 
-    def __init__(self, state: CallState, run: Any, interval: float = 1.0) -> None:
+    def __init__(self, state: CallState, run: CallView, interval: float = 1.0) -> None:
         self.state, self.run, self.interval = state, run, interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -9,7 +9,7 @@ kernel it gives nothing: the call writes to ``sys.stdout``/``sys.stderr``.
 from __future__ import annotations
 
 import sys
-from typing import IO, Any, TypedDict
+from typing import IO, TYPE_CHECKING, TypedDict
 
 from ..lifecycle.observers import Observer
 from . import kernel
@@ -23,11 +23,15 @@ class Wiring(TypedDict, total=False):
     observers: list[Observer]
 
 
-def panel_wanted(opts: Any) -> bool:
+if TYPE_CHECKING:
+    from ..options import Options
+
+
+def panel_wanted(opts: Options) -> bool:
     return bool(getattr(opts, "progress", True)) and getattr(opts, "output", "all") != "none"
 
 
-def wiring(opts: Any) -> Wiring:
+def wiring(opts: Options) -> Wiring:
     """In a kernel: the call's output goes to the launching cell, and a live panel observes
     it; outside one: nothing (the supervisor's defaults)."""
     if kernel() is None:
@@ -47,7 +51,7 @@ def wiring(opts: Any) -> Wiring:
     return wired
 
 
-def on_decorate(opts: Any) -> None:
+def on_decorate(opts: Options) -> None:
     """A function was decorated: in a kernel, warm the fork server for its first call."""
     if getattr(opts, "backend", "local") != "local" or getattr(opts, "start_method", "") == "spawn":
         return

@@ -232,9 +232,9 @@ class Checkpointer:
             )
         pending = [m for m in self._metrics if m[0] < step]
         sd = _state.save_dict(e, self._rank, {"step": step, "metrics": pending})
-        from ..checkpoint import _build
+        from ..checkpoint import storage_classes
 
-        writer = _build()["VolumeWriter"](url, **self.storage_options)
+        writer = storage_classes()["VolumeWriter"](url, **self.storage_options)
         import torch.distributed.checkpoint as dcp
 
         group = self._groups[1] if self._groups else None

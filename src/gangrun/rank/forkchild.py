@@ -72,7 +72,7 @@ def become_rank(r: RankStart, fds: list[int], server_alive_r: int) -> None:
     from . import worker
 
     threading.Thread(
-        target=worker._watch_liveness,
+        target=worker.watch_liveness,
         args=(server_alive_r,),
         name="gangrun-forkserver-liveness",
         daemon=True,

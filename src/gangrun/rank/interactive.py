@@ -74,7 +74,7 @@ def _trimmed_tb(exc: BaseException) -> str:
 
 
 def _error_record(rank: int, exc: BaseException) -> ErrorRecord:
-    from .worker import _error_record as record
+    from .worker import error_record as record
 
     return record(rank, exc, _trimmed_tb(exc))
 

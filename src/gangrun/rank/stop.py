@@ -60,9 +60,9 @@ def request() -> None:
 def _die_now() -> None:
     # Default disposition at the C level (signal.signal works only on the main thread),
     # then the same signal again: the rank ends as an unhandled SIGTERM would end it.
-    from ..platform import _libc
+    from ..platform import load_libc
 
-    libc = _libc()
+    libc = load_libc()
     if libc is not None:
         libc.signal(signal.SIGTERM, 0)  # SIG_DFL
         os.kill(os.getpid(), signal.SIGTERM)

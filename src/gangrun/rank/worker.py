@@ -58,7 +58,7 @@ def _kill_own_tree() -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def _watch_liveness(fd: int) -> None:
+def watch_liveness(fd: int) -> None:
     try:
         while True:
             data = os.read(fd, 64)
@@ -97,7 +97,7 @@ def start_liveness_watchdog() -> None:
     except OSError:
         return
     _liveness_fd = fd
-    t = threading.Thread(target=_watch_liveness, args=(fd,), name="gangrun-liveness", daemon=True)
+    t = threading.Thread(target=watch_liveness, args=(fd,), name="gangrun-liveness", daemon=True)
     t.start()
 
 
@@ -120,7 +120,7 @@ def _message(exc: BaseException) -> str:
         )
 
 
-def _error_record(
+def error_record(
     rank: int, exc: BaseException, tb_text: str, *, exitcode: int | None = None
 ) -> ErrorRecord:
     from .. import serialization
@@ -224,13 +224,13 @@ def run_rank(run_dir: str, rank: int) -> int:
             # Ended on purpose without returning: the caller decides whether that is fine
             # (every rank did so, e.g. a script ending in sys.exit(0)) or the root cause of a
             # failure (its peers were still waiting for it).
-            _write_error(run_dir, rank, _error_record(rank, exc, "", exitcode=0))
+            _write_error(run_dir, rank, error_record(rank, exc, "", exitcode=0))
             return 0
         if not isinstance(code, int):
             print(code, file=sys.stderr)
             code = 1
         tb = _format_tb(exc)
-        _write_error(run_dir, rank, _error_record(rank, exc, tb, exitcode=code))
+        _write_error(run_dir, rank, error_record(rank, exc, tb, exitcode=code))
         return int(code) & 0xFF or 1
     except BaseException as exc:
         tb = _format_tb(exc)
@@ -238,7 +238,7 @@ def run_rank(run_dir: str, rank: int) -> int:
             sys.stderr.write(tb)
         except Exception:  # stderr gone: the error record below still reaches the caller
             pass
-        _write_error(run_dir, rank, _error_record(rank, exc, tb))
+        _write_error(run_dir, rank, error_record(rank, exc, tb))
         return 1
     try:
         serialization.atomic_dump(result, result_path(run_dir, rank))
@@ -257,7 +257,7 @@ def run_rank(run_dir: str, rank: int) -> int:
         print(msg, file=sys.stderr)
         from dataclasses import replace
 
-        rec = _error_record(rank, TypeError(msg), tb)
+        rec = error_record(rank, TypeError(msg), tb)
         _write_error(run_dir, rank, replace(rec, exc_type="ResultSerializationError"))
         return 1
     return 0
@@ -275,7 +275,7 @@ def _result_not_written(run_dir: str, rank: int, exc: BaseException) -> int:
         print(msg, file=sys.stderr)
     except Exception:  # stderr gone: the error record below still reaches the caller
         pass
-    rec = _error_record(rank, exc, _format_tb(exc))
+    rec = error_record(rank, exc, _format_tb(exc))
     _write_error(run_dir, rank, replace(rec, message=msg))
     return 1
 

@@ -197,7 +197,7 @@ def _active_experiment(client: Any) -> str:
     return "0"
 
 
-def _resume_target(opts: Any, client: Any, uri: str, active: Any) -> tuple[Any, str]:
+def _resume_target(opts: Options | None, client: Any, uri: str, active: Any) -> tuple[Any, str]:
     """The run to resume (``None`` for a new run) and where its id came from."""
     run_id = getattr(opts, "run_id", None)
     source = "run_id="
@@ -225,7 +225,9 @@ def _resume_target(opts: Any, client: Any, uri: str, active: Any) -> tuple[Any, 
     return run, source
 
 
-def plan_run(opts: Any, info: TrackingInfo, mlflow: Any, client: Any, uri: str) -> RunPlan:
+def plan_run(
+    opts: Options | None, info: TrackingInfo, mlflow: Any, client: Any, uri: str
+) -> RunPlan:
     """Decide experiment, parent and run for the call (raises LaunchError on bad input)."""
     active = mlflow.active_run()
     exp_name = getattr(opts, "experiment_name", None)
@@ -285,7 +287,7 @@ def context_tags(source: str | None = None) -> dict[str, str]:
     return tags
 
 
-def resolve_log_system_metrics(opts: Any, processes: int | None) -> bool:
+def resolve_log_system_metrics(opts: Options | None, processes: int | None) -> bool:
     """``log_system_metrics=None`` means on for ``gpus=`` calls, off for ``processes=``."""
     value = getattr(opts, "log_system_metrics", None)
     if value is None:

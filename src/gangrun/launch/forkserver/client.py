@@ -319,7 +319,7 @@ class Registry:
         for s in servers:
             s.close(wait)
 
-    def _after_fork_in_child(self) -> None:
+    def after_fork_in_child(self) -> None:
         for entry in self._servers.values():
             entry.server.forget()
         self._servers = {}
