@@ -115,3 +115,26 @@ def test_a_pickled_pool_is_none_and_workers_fall_back(root):
     ds = TableDataset(root, batch_size=100)
     ds2 = pickle.loads(pickle.dumps(ds))
     assert ds2._pool is None and ds2._pool_active is None
+
+
+def test_direct_row_group_reads_equal_dataset_reads(root):
+    """Plain local Parquet is read with ``ParquetFile.read_row_group`` (less CPU per row);
+    the rows, column order and schema are those of the dataset read a filter forces."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from gangrun.data import table_plan as plan
+    from gangrun.data.table_source import Reader
+
+    def read(ds):
+        todo = plan.pieces(ds.unit_order(), ds._unit_rows, 0, ds.rows)
+        reader = Reader(ds, todo, False)
+        out = pa.concat_tables([reader.read(p) for p in todo])
+        return out, reader._direct is not None
+
+    cols = ["emb", "id", "label"]  # not the files' order
+    direct, used = read(TableDataset(root, columns=cols))
+    scanned, used_with_filter = read(TableDataset(root, columns=cols, filter=pc.field("id") >= 0))
+    assert used and not used_with_filter
+    assert direct.column_names == cols and direct.equals(scanned)
+    assert direct.schema == scanned.schema
