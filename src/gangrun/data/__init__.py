@@ -42,8 +42,8 @@ Modules (every one importable on its own; only ``dataset`` and ``loader`` import
 - ``loader``: `VolumeLoader`;
 - ``table``: `TableDataset`, batches of a Parquet or Delta Lake table (SPEC section 11),
   built from ``table_plan`` (the split arithmetic, pure), ``table_source`` (files, schema, row
-  groups; pyarrow), ``table_delta`` (Delta snapshots; deltalake) and ``table_convert`` (Arrow
-  to tensors). pyarrow and deltalake are imported only by these modules.
+  groups; pyarrow), ``table_delta`` (Delta snapshots; deltalake), ``table_convert`` (Arrow
+  to tensors) and ``table_wire`` (the workers' hand-over). pyarrow and deltalake are imported only by these modules.
 
 The names below are loaded on first use, so ``import gangrun.data.sharding`` does not import
 torch.

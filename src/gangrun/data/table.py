@@ -3,7 +3,8 @@ and DataLoader workers, shuffled per epoch, streamed through the node's cache, r
 
 The split arithmetic is `table_plan` (pure); what the table is made of and how a row
 group is read is `table_source` (and `table_delta` for Delta snapshots); turning
-Arrow batches into tensors is `table_convert`. The resume API is the one
+Arrow batches into tensors is `table_convert`, handing them over from DataLoader workers
+`table_wire`. The resume API is the one
 [`VolumeDataset`][gangrun.data.VolumeDataset] has, so `VolumeLoader` and
 ``gangrun.checkpoint`` treat both alike.
 """
@@ -23,15 +24,7 @@ from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
 from .loader import VolumeLoader
 from .resumable import ResumableEpochs
-from .table_convert import (
-    CHUNK_BATCHES,
-    CHUNK_BYTES,
-    OUTPUTS,
-    WireChunk,
-    as_record_batch,
-    convert,
-    to_wire,
-)
+from .table_convert import OUTPUTS, as_record_batch, convert
 from .table_delta import resolve
 from .table_source import (
     FileAccess,
@@ -41,6 +34,7 @@ from .table_source import (
     fingerprint,
     plan_units,
 )
+from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, WireChunk, to_wire
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -166,6 +160,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
         self._epoch = 0
         self._resume: dict[str, Any] | None = None
         self._live: dict[str, Any] | None = None
+        self._pool: BlockPool | None = None  # TableLoader's shared memory blocks (kept)
+        self._pool_active: BlockPool | None = None  # lent to the pass whose workers run now
 
     # -- the split -----------------------------------------------------------------------------
 
@@ -225,13 +221,17 @@ class TableDataset(ResumableEpochs, IterableDataset):
         from torch.utils.data import get_worker_info
 
         nb, nr = (list(done) + [0, 0])[:2] if done else (0, 0)
-        in_worker = get_worker_info() is not None
+        info = get_worker_info()
+        in_worker = info is not None
         wire = wire and in_worker
+        pool = self._pool_active if wire else None
+        wid = info.id if info is not None else 0
         bs = self.batch_size
         buf: list[pa.Table] = []
         have = 0
         group: list[pa.Table] = []  # wire: batches not handed over yet
         group_bytes = 0
+        limit = 1  # wire: batches in the next chunk (1, 2, 4, ...: the first batch comes early)
         start = (nb, nr)
 
         def emit() -> tuple[Any, Any]:
@@ -245,10 +245,10 @@ class TableDataset(ResumableEpochs, IterableDataset):
             return out, (nb, nr)
 
         def flush() -> tuple[Any, Any]:
-            nonlocal group, group_bytes, start
-            rows = pa.concat_tables(group) if len(group) > 1 else group[0]
-            chunk = to_wire(as_record_batch(rows), [t.num_rows for t in group], start)
+            nonlocal group, group_bytes, start, limit
+            chunk = to_wire(group, start, pool, wid)
             group, group_bytes, start = [], 0, (nb, nr)
+            limit = min(2 * limit, CHUNK_BATCHES)
             return chunk, (nb, nr)
 
         def add() -> Iterator[tuple[Any, Any]]:
@@ -258,10 +258,12 @@ class TableDataset(ResumableEpochs, IterableDataset):
                 return
             table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
             buf, have = [], 0
+            if group and group_bytes + table.nbytes > CHUNK_BYTES:
+                yield flush()
             group.append(table)
             group_bytes += table.nbytes
             nb, nr = nb + 1, nr + table.num_rows
-            if group_bytes >= CHUNK_BYTES or len(group) >= CHUNK_BATCHES:
+            if len(group) >= limit:
                 yield flush()
 
         for chunk in self._chunks(self.unit_order(), wpos, wrows, nr):
@@ -404,33 +406,60 @@ class _WireView:
 class TableLoader(VolumeLoader):
     """The loader of `TableDataset.loader`: a `VolumeLoader` whose
     workers hand batches over in chunks of several (``output="torch"`` without a
-    ``transform``): the hand-over costs about the same per item whatever its size. Each
+    ``transform``; see `table_wire`): the hand-over costs about the same per item whatever
+    its size, and the columns travel through shared memory blocks the dataset keeps. Each
     batch of a chunk is handed to the training loop, and its progress recorded, in turn."""
 
     def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
         self.table = dataset
-        wire = (
+        self._wire = (
             dataset.output == "torch"
             and dataset.transform is None
             and kwargs.get("collate_fn") in (None, _identity)  # a collate_fn sees batches
             and not kwargs.get("pin_memory")  # pinned: the DataLoader pins tensors
         )
-        view: Any = _WireView(dataset) if wire else dataset
+        view: Any = _WireView(dataset) if self._wire else dataset
         super().__init__(view, **kwargs)
+
+    def _lend_pool(self) -> BlockPool | None:
+        """The dataset's blocks for this pass (made on first use), or None (another pass
+        holds them, or no shared memory: the workers use the fallbacks)."""
+        ds = self.table
+        nw, per = int(self.num_workers), int(self.prefetch_factor or 2) + 2
+        pool = ds._pool
+        if pool is None or pool.workers < nw or pool.per_worker < per:
+            if pool is not None and pool.lent:
+                return None
+            try:
+                pool = ds._pool = BlockPool(nw, per)
+            except (RuntimeError, OSError):
+                return None
+        return pool if pool.lend() else None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         ds = self.volume
         start = ds.resume_position()
         self._view.start = start
         ds.start_progress(max(1, int(self.num_workers)), start)
-        for item, (wid, progress) in DataLoader.__iter__(self):
-            if isinstance(item, WireChunk):
-                for batch, done in item.batches():
-                    ds.record_progress(wid, done)
-                    yield batch
-            else:
-                ds.record_progress(wid, progress)
-                yield item
+        pool = self._lend_pool() if self._wire and self.num_workers > 0 else None
+        self.table._pool_active = pool  # the workers forked now inherit it
+        it = DataLoader.__iter__(self)
+        self.table._pool_active = None
+        try:
+            for item, (wid, progress) in it:
+                if isinstance(item, WireChunk):
+                    for batch, done in item.batches(pool):
+                        ds.record_progress(wid, done)
+                        yield batch
+                else:
+                    ds.record_progress(wid, progress)
+                    yield item
+        finally:
+            if pool is not None:
+                shutdown = getattr(it, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()  # no worker of this pass writes into a block any more
+                pool.give_back()
 
 
 __all__ = ["TableDataset", "TableError", "TableLoader"]

