@@ -207,38 +207,12 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         files, quota = sharding.worker_plan(
             self.rank_files(rank=rank), wid, nw, self.samples_per_rank
         )
-        wstart = None
-        if start is not None:
-            if sharding.same_layout(start, world, nw):
-                wstart = start["workers"][wid]
-            elif wid == 0:
-                warnings.warn(
-                    f"VolumeDataset: the saved position was made with world_size="
-                    f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
-                    f"{world} and {nw}; epoch {self._epoch} restarts from its beginning.",
-                    stacklevel=3,
-                )
+        same = start is not None and sharding.same_layout(start, world, nw)
+        wstart = self._worker_start(start, same, world, nw, wid)
         track = info is None and not tagged  # direct iteration in this process
         if track:
             self.start_progress(1, start if wstart else None)
-        samples = self._stream(files, quota, wstart)
-        if tagged:
-            for sample, progress in samples:
-                yield sample, (wid, progress)
-        elif track:
-            workers = self._live["workers"]  # type: ignore[index]
-            for sample, progress in samples:
-                workers[0] = progress  # a tuple; state_dict() stores it as a JSON list
-                yield sample
-        else:
-            for sample, _ in samples:
-                yield sample
-
-    def __iter__(self) -> Iterator[Any]:
-        from torch.utils.data import get_worker_info
-
-        start = self.resume_position() if get_worker_info() is None else self._resume
-        return self._iterate(start, tagged=False)
+        yield from self._deliver(self._stream(files, quota, wstart), wid, tagged, track)
 
     # -- resumable state -----------------------------------------------------------------------
     #

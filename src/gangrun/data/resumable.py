@@ -12,7 +12,8 @@ copy of keys shared by ranks) stores every rank's position, and the dataset is `
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 
@@ -27,6 +28,50 @@ class ResumableEpochs:
 
     def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
         raise NotImplementedError  # pragma: no cover - each dataset's own
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.utils.data import get_worker_info
+
+        start = self.resume_position() if get_worker_info() is None else self._resume
+        return self._iterate(start, tagged=False)
+
+    def resume_position(self) -> dict[str, Any] | None:  # pragma: no cover - each dataset's
+        raise NotImplementedError
+
+    def _worker_start(
+        self, start: dict[str, Any] | None, same_layout: bool, world: int, nw: int, wid: int
+    ) -> Any:
+        """Worker ``wid``'s saved progress in ``start``; ``None`` (the epoch restarts, said
+        once by worker 0) when ``start`` was made with another world size or worker count."""
+        if start is None:
+            return None
+        if same_layout:
+            return start["workers"][wid]
+        if wid == 0:
+            warnings.warn(
+                f"{type(self).__name__}: the saved position was made with world_size="
+                f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
+                f"{world} and {nw}; epoch {self._epoch} restarts from its beginning.",
+                stacklevel=4,
+            )
+        return None
+
+    def _deliver(
+        self, items: Iterable[tuple[Any, Any]], wid: int, tagged: bool, track: bool
+    ) -> Iterator[Any]:
+        """The items of ``(item, progress)`` pairs: tagged with the worker (``iter_tagged``),
+        or with this process's progress kept up to date (direct iteration), or bare."""
+        if tagged:
+            for item, progress in items:
+                yield item, (wid, progress)
+        elif track:
+            workers = self._live["workers"]  # type: ignore[index]
+            for item, progress in items:
+                workers[0] = progress  # a tuple; state_dict() stores it as a JSON list
+                yield item
+        else:
+            for item, _ in items:
+                yield item
 
     @property
     def epoch(self) -> int:

@@ -289,38 +289,12 @@ class TableDataset(ResumableEpochs, IterableDataset):
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         _, world = self.rank_world()
         wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
-        wstart = None
-        if start is not None:
-            if self._same_layout(start, world, nw):
-                wstart = start["workers"][wid]
-            elif wid == 0:
-                warnings.warn(
-                    f"TableDataset: the saved position was made with world_size="
-                    f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
-                    f"{world} and {nw}; epoch {self._epoch} restarts from its beginning.",
-                    stacklevel=3,
-                )
+        same = start is not None and self._same_layout(start, world, nw)
+        wstart = self._worker_start(start, same, world, nw, wid)
         track = info is None and not tagged
         if track:
             self.start_progress(1, start if wstart else None)
-        batches = self._batches(wpos, wrows, wstart, wire)
-        if tagged:
-            for batch, progress in batches:
-                yield batch, (wid, progress)
-        elif track:
-            workers = self._live["workers"]  # type: ignore[index]
-            for batch, progress in batches:
-                workers[0] = progress
-                yield batch
-        else:
-            for batch, _ in batches:
-                yield batch
-
-    def __iter__(self) -> Iterator[Any]:
-        from torch.utils.data import get_worker_info
-
-        start = self.resume_position() if get_worker_info() is None else self._resume
-        return self._iterate(start, tagged=False)
+        yield from self._deliver(self._batches(wpos, wrows, wstart, wire), wid, tagged, track)
 
     # -- resumable state (the protocol of VolumeDataset) ---------------------------------------
     #
