@@ -19,16 +19,34 @@ import signal
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import contract
 from ..errors import DistributedPreemptedError, LaunchError
 from ..rundir import RunDir
 
 if TYPE_CHECKING:
+    from ..options import Options
     from ..tracking.caller import Tracker
 
-Supervisor = Any  # lifecycle.supervisor.Supervisor (which imports this module)
+
+class Supervisor(Protocol):
+    """What checkpoints need of the call (`lifecycle.supervisor.Supervisor`, which imports
+    this module): its options and MLflow run, its run directory, and its end."""
+
+    @property
+    def opts(self) -> Options: ...
+    @property
+    def tracker(self) -> Tracker | None: ...
+    @property
+    def rundir(self) -> RunDir | None: ...
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+    def cancel(
+        self, reason: str = "cancelled", wait: float = 30.0, checkpoint: bool = False
+    ) -> bool: ...
+
 
 log = logging.getLogger("gangrun.lifecycle.checkpoints")
 
@@ -157,7 +175,7 @@ _previous: Any = None
 _sigterm_installed = False
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     from . import calls
 
     global _sigterm_installed
