@@ -21,11 +21,12 @@ import itertools
 import logging
 import os
 import secrets
+import socket
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import serialization
 from ..api import RunHandle, distributed
@@ -37,6 +38,11 @@ from ..rank.interactive import gang
 from .channel import Listener, release
 from .exchange import Exchanges
 from .outcome import PerRank, wrapped
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..option_kwargs import OptionKwargs
 
 log = logging.getLogger("gangrun.interactive")
 
@@ -82,7 +88,7 @@ class Gang(Exchanges):
         interrupt_grace: float = 1.5,
         start_timeout: float = 300.0,
         setup: Callable[[], Any] | None = None,
-        **options: Any,
+        **options: Unpack[OptionKwargs],
     ) -> None:
         global _last
         if setup is not None and not callable(setup):
@@ -93,7 +99,8 @@ class Gang(Exchanges):
         Options(
             timeout=self.timeout, hang_timeout=self.hang_timeout, max_restarts=self.max_restarts
         ).validate()
-        self._fn = distributed(timeout=None, **options)(gang)
+        options["timeout"] = None  # the gang lives across cells: each execution has its own
+        self._fn = distributed(**options)(gang)
         self.options: Options = dataclasses.replace(
             self._fn.settings,
             timeout=self.timeout,
@@ -106,13 +113,13 @@ class Gang(Exchanges):
         self.start_timeout = float(start_timeout)
         self._lock = threading.Lock()
         self._handle: RunHandle[None] | None = None
-        self._socks: dict[Any, Any] = {}
+        self._socks: dict[int, socket.socket] = {}  # rank -> its connection
         self._pids: dict[int, int] = {}
         self._dir = ""
         self._closed = True
         self._broken: str | None = None
         self._extra: dict[int, int] = {}
-        self._finalizer: Any = None
+        self._finalizer: weakref.finalize | None = None
         self._start()
         _live.add(self)
         _last = weakref.ref(self)
