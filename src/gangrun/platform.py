@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import threading
 import time
 from typing import Any
@@ -289,6 +290,6 @@ def own_dirs(tmp: str, prefix: str) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue  # gone meanwhile
-        if st.st_uid == uid and os.path.isdir(path) and not os.path.islink(path):
+        if st.st_uid == uid and stat.S_ISDIR(st.st_mode):  # lstat: a symlink is not a dir
             out.append(path)
     return out

@@ -47,13 +47,6 @@ def server_death(server: ForkServer | None) -> LostRank:
     return LostRank(f"the fork server (pid {server.pid}) died{how}", hint=RESTART_HINT)
 
 
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
 class ForkedProcess:
     """A rank forked by the server: its exit code arrives on a status pipe."""
 
@@ -65,7 +58,7 @@ class ForkedProcess:
         self.lost: LostRank | None = None  # set when the server died with this rank running
         # Never waited for (Ctrl-C between the fork and the gang keeping this handle): the
         # status pipe's read end is closed when the handle goes, not leaked.
-        self._unwaited = weakref.finalize(self, _close_quietly, status_r)
+        self._unwaited = weakref.finalize(self, close_fds, (status_r,))
 
     def discard(self) -> None:
         """The start failed: close the status pipe now (the handle will not be waited for)."""
