@@ -57,7 +57,7 @@ def test_batches_travel_in_pool_blocks_kept_across_epochs(root):
         assert sorted(ids) == list(range(tw.PARQUET_ROWS))
         assert pooled == n  # every batch dropped before the next: blocks are always free
         del batch  # the last one lives in a block until dropped
-        assert ds._pool is not None and not ds._pool.held and not ds._pool.lent
+        assert ds._pool is not None and not ds._pool.held and not ds._pool.busy
         pools.append(ds._pool)
     assert pools[0] is pools[1]  # made once, kept by the dataset
 

@@ -252,9 +252,13 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
     # -- DataLoader ----------------------------------------------------------------------------
 
     def loader(self, **dataloader_kwargs: Any) -> VolumeLoader:
-        """A ``DataLoader`` over this dataset that keeps `state_dict` exact with workers."""
+        """A ``DataLoader`` over this dataset that keeps `state_dict` exact with workers
+        (they are kept across epochs unless ``persistent_workers=False``)."""
         from .loader import VolumeLoader
 
+        dataloader_kwargs.setdefault(
+            "persistent_workers", int(dataloader_kwargs.get("num_workers", 0)) > 0
+        )
         return VolumeLoader(self, **dataloader_kwargs)
 
     def __repr__(self) -> str:

@@ -3,6 +3,13 @@
 Workers iterate the dataset's `iter_tagged` view, so every sample carries
 (worker id, progress); the collate function keeps the last tag of each batch, and the loader
 hands it to `record_progress` as the batch reaches the training loop.
+
+With ``persistent_workers=True`` the workers outlive the pass, so they cannot take the
+epoch and the resume position from the dataset they were forked with: the loader writes
+both into an `EpochChannel` (shared memory the workers inherit) before each pass, and each
+worker reads it as its pass starts (torch's DataLoader starts a persistent worker's pass
+with a fresh ``iter(dataset)``, after the loader sent it the pass's first request, so the
+write is visible).
 """
 
 from __future__ import annotations
@@ -16,6 +23,11 @@ from torch.utils.data import DataLoader, IterableDataset
 class Resumable(Protocol):
     """The public resume API of [`VolumeDataset`][gangrun.data.VolumeDataset] that the loader uses."""
 
+    @property
+    def epoch(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
     def resume_position(self) -> dict[str, Any] | None: ...
 
     def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None: ...
@@ -25,15 +37,57 @@ class Resumable(Protocol):
     def record_progress(self, worker: int, progress: Any) -> None: ...
 
 
+class EpochChannel:
+    """The epoch and resume position of the pass starting now, from the training process to
+    its persistent DataLoader workers: JSON in a shared memory block made before they start
+    (a worker started by ``spawn`` receives the block with the dataset)."""
+
+    CAPACITY = 1 << 20
+
+    def __init__(self) -> None:
+        import torch
+
+        storage = torch.UntypedStorage._new_shared(self.CAPACITY)
+        self.block = torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def write(self, epoch: int, start: dict[str, Any] | None) -> None:
+        import json
+
+        raw = json.dumps({"epoch": int(epoch), "start": start}).encode()
+        if len(raw) + 8 > self.CAPACITY:
+            raise RuntimeError(
+                f"the resume position ({len(raw)} bytes) does not fit the persistent workers' "
+                f"channel ({self.CAPACITY} bytes); use persistent_workers=False"
+            )
+        arr = self.block.numpy()
+        arr[8 : 8 + len(raw)] = memoryview(raw)
+        arr[:8] = memoryview(len(raw).to_bytes(8, "little"))
+
+    def read(self) -> tuple[int, dict[str, Any] | None]:
+        import json
+
+        arr = self.block.numpy()
+        n = int.from_bytes(arr[:8].tobytes(), "little")
+        msg = json.loads(arr[8 : 8 + n].tobytes())
+        return int(msg["epoch"]), msg["start"]
+
+
 class _TaggedView(IterableDataset):
     """What the loader's workers iterate: samples tagged with (worker id, progress)."""
 
-    def __init__(self, volume: Resumable) -> None:
+    def __init__(self, volume: Resumable, channel: EpochChannel | None = None) -> None:
         self.volume = volume
         self.start: dict[str, Any] | None = None
+        self.channel = channel
 
     def __iter__(self) -> Iterator[Any]:
-        return self.volume.iter_tagged(self.start)
+        from torch.utils.data import get_worker_info
+
+        start = self.start
+        if self.channel is not None and get_worker_info() is not None:
+            epoch, start = self.channel.read()  # a persistent worker: this pass's
+            self.volume.set_epoch(epoch)
+        return self.volume.iter_tagged(start)
 
 
 class _Collate:
@@ -55,19 +109,21 @@ class VolumeLoader(DataLoader):
     """``DataLoader`` for a [`VolumeDataset`][gangrun.data.VolumeDataset] that reports the rank's exact progress.
 
     Takes the usual ``DataLoader`` arguments (``batch_size``, ``num_workers``, ``collate_fn``,
-    ``pin_memory``, ...) except ``persistent_workers`` (workers must see each epoch's order).
-    Every batch carries, from its worker, how far that worker got; the loader records it in
-    the dataset as the batch is handed out, so ``dataset.state_dict()`` counts exactly the
-    batches the training loop received.
+    ``pin_memory``, ``persistent_workers``, ...). Every batch carries, from its worker, how
+    far that worker got; the loader records it in the dataset as the batch is handed out, so
+    ``dataset.state_dict()`` counts exactly the batches the training loop received. With
+    ``persistent_workers=True`` the workers are started once and each pass tells them the
+    dataset's epoch and resume position (other changes to the dataset after the first pass
+    do not reach them).
     """
 
     def __init__(self, dataset: Resumable, **kwargs: Any) -> None:
-        if kwargs.get("persistent_workers"):
-            raise ValueError("VolumeLoader does not support persistent_workers=True")
         if "sampler" in kwargs or "batch_sampler" in kwargs or kwargs.get("shuffle"):
             raise ValueError("VolumeDataset does its own sharding and shuffling")
         self.volume = dataset
-        self._view = _TaggedView(dataset)
+        persistent = bool(kwargs.get("persistent_workers")) and int(kwargs.get("num_workers", 0))
+        self._channel = EpochChannel() if persistent else None
+        self._view = _TaggedView(dataset, self._channel)
         if kwargs.get("generator") is None:
             # torch's DataLoader draws each iteration's worker base seed from this generator,
             # by default the global RNG: a private one (saved in state_dict) keeps the training
@@ -101,9 +157,11 @@ class VolumeLoader(DataLoader):
         start = ds.resume_position()
         self._view.start = start
         ds.start_progress(max(1, int(self.num_workers)), start)
+        if self._channel is not None:
+            self._channel.write(ds.epoch, start)
         for batch, (wid, progress) in super().__iter__():
             ds.record_progress(wid, progress)
             yield batch
 
 
-__all__ = ["VolumeLoader"]
+__all__ = ["EpochChannel", "VolumeLoader"]

@@ -226,6 +226,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
         wire = wire and in_worker
         pool = self._pool_active if wire else None
         wid = info.id if info is not None else 0
+        if pool is not None:
+            pool.reclaim(wid)  # a persistent worker: its last pass's undelivered chunks
         bs = self.batch_size
         buf: list[pa.Table] = []
         have = 0
@@ -343,10 +345,14 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
     def loader(self, **dataloader_kwargs: Any) -> TableLoader:
         """A ``DataLoader`` over this dataset's batches that keeps `state_dict` exact
-        (``num_workers``, ``pin_memory``, ... as usual; the batch size is the dataset's)."""
+        (``num_workers``, ``pin_memory``, ... as usual; the batch size is the dataset's;
+        workers are kept across epochs unless ``persistent_workers=False``)."""
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise ValueError("TableDataset batches itself: give batch_size= to TableDataset")
         dataloader_kwargs.setdefault("collate_fn", _identity)
+        dataloader_kwargs.setdefault(
+            "persistent_workers", int(dataloader_kwargs.get("num_workers", 0)) > 0
+        )
         return TableLoader(self, batch_size=None, **dataloader_kwargs)
 
     def __repr__(self) -> str:
@@ -366,6 +372,13 @@ class _WireView:
 
     def resume_position(self) -> dict[str, Any] | None:
         return self.ds.resume_position()
+
+    @property
+    def epoch(self) -> int:
+        return self.ds.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.ds.set_epoch(epoch)
 
     def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
         self.ds.start_progress(num_workers, start)
@@ -394,6 +407,8 @@ class TableLoader(VolumeLoader):
         )
         view: Any = _WireView(dataset) if self._wire else dataset
         super().__init__(view, **kwargs)
+        self._started = False  # persistent workers: the first pass started them
+        self._kept_pool: BlockPool | None = None  # ... and the blocks lent to them
 
     def _lend_pool(self) -> BlockPool | None:
         """The dataset's blocks for this pass (made on first use), or None (another pass
@@ -402,7 +417,7 @@ class TableLoader(VolumeLoader):
         nw, per = int(self.num_workers), int(self.prefetch_factor or 2) + 2
         pool = ds._pool
         if pool is None or pool.workers < nw or pool.per_worker < per:
-            if pool is not None and pool.lent:
+            if pool is not None and pool.busy:
                 return None
             try:
                 pool = ds._pool = BlockPool(nw, per)
@@ -415,25 +430,46 @@ class TableLoader(VolumeLoader):
         start = ds.resume_position()
         self._view.start = start
         ds.start_progress(max(1, int(self.num_workers)), start)
+        if self._channel is not None:  # persistent workers: started by the first pass
+            self._channel.write(ds.epoch, start)
+            if not self._started:
+                self._kept_pool = self._lend_pool() if self._wire else None
+            yield from self._deliver(self._start_pass(self._kept_pool), self._kept_pool)
+            return
         pool = self._lend_pool() if self._wire and self.num_workers > 0 else None
-        self.table._pool_active = pool  # the workers forked now inherit it
-        it = DataLoader.__iter__(self)
-        self.table._pool_active = None
+        it = self._start_pass(pool)
         try:
-            for item, (wid, progress) in it:
-                if isinstance(item, WireChunk):
-                    for batch, done in item.batches(pool):
-                        ds.record_progress(wid, done)
-                        yield batch
-                else:
-                    ds.record_progress(wid, progress)
-                    yield item
+            yield from self._deliver(it, pool)
         finally:
             if pool is not None:
                 shutdown = getattr(it, "_shutdown_workers", None)
                 if shutdown is not None:
                     shutdown()  # no worker of this pass writes into a block any more
                 pool.give_back()
+
+    def _start_pass(self, pool: BlockPool | None) -> Any:
+        """The DataLoader's iterator of this pass (workers forked now inherit ``pool``)."""
+        self.table._pool_active = pool
+        try:
+            it = DataLoader.__iter__(self)
+        finally:
+            self.table._pool_active = None
+        if pool is not None and self._channel is not None and not self._started:
+            pool.keep_for(it)  # lent while these persistent workers live
+        self._started = True
+        return it
+
+    def _deliver(self, it: Any, pool: BlockPool | None) -> Iterator[Any]:
+        """Each batch of the pass, its worker's progress recorded as it is handed out."""
+        ds = self.volume
+        for item, (wid, progress) in it:
+            if isinstance(item, WireChunk):
+                for batch, done in item.batches(pool):
+                    ds.record_progress(wid, done)
+                    yield batch
+            else:
+                ds.record_progress(wid, progress)
+                yield item
 
 
 __all__ = ["TableDataset", "TableError", "TableLoader"]

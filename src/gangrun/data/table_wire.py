@@ -55,8 +55,13 @@ class BlockPool:
     ``per_worker`` blocks of ``block_bytes`` each; made in the training process.
 
     A block's state (shared, one byte) is 0 when free, 1 from the moment a worker takes it
-    until the training process has dropped every batch that lives in it. Pickled (a worker
-    started by ``spawn``), the pool becomes ``None``: that worker uses the fallbacks.
+    until the training process maps it, 2 from then until the training process has dropped
+    every batch that lives in it. A block the training process never maps (the chunk was
+    dropped: a pass left midway) is free again when the pool is lent to the next pass (its
+    workers are gone) or, for persistent workers, when its worker starts its next pass
+    (`reclaim`: the worker's chunks of the last pass are all sent by then, and the loader
+    drops them unread). Pickled (a worker started by ``spawn``), the pool becomes ``None``:
+    that worker uses the fallbacks.
     """
 
     def __init__(self, workers: int, per_worker: int, block_bytes: int = CHUNK_BYTES) -> None:
@@ -80,16 +85,24 @@ class BlockPool:
         self._blocks = blocks
         self.held: set[int] = set()  # blocks the training process still hands batches from
         self.lent = False
+        self._holder: Any = None  # persistent workers: a weak reference to their iterator
 
     def __reduce__(self) -> Any:
         return _no_pool, ()
 
     # -- in the training process ---------------------------------------------------------------
 
+    @property
+    def busy(self) -> bool:
+        """Lent to a pass, or to persistent workers whose DataLoader iterator still lives."""
+        if self.lent and self._holder is not None and self._holder() is None:
+            self.give_back()  # the iterator is gone: its workers were shut down
+        return self.lent
+
     def lend(self) -> bool:
         """Take the pool for one pass of the loader (False: another pass holds it). No
         worker of an earlier pass is alive now: blocks it took but never delivered are free."""
-        if self.lent:
+        if self.busy:
             return False
         self.lent = True
         for i in range(len(self._blocks)):
@@ -97,9 +110,15 @@ class BlockPool:
                 self.state[i] = 0
         return True
 
+    def keep_for(self, iterator: Any) -> None:
+        """The pool stays lent to persistent workers while their DataLoader iterator lives
+        (the iterator shuts them down when it goes)."""
+        self._holder = weakref.ref(iterator)
+
     def give_back(self) -> None:
         """The pass is over and its workers are shut down."""
         self.lent = False
+        self._holder = None
 
     def chunk_array(self, i: int, nbytes: int) -> Any:
         """The first ``nbytes`` of block ``i`` as a uint8 array; the block is free again
@@ -108,6 +127,7 @@ class BlockPool:
 
         arr = np.frombuffer(self._views[i][:nbytes], dtype=np.uint8)
         self.held.add(i)
+        self.state[i] = 2
         weakref.finalize(arr, self._release, i)
         return arr
 
@@ -126,6 +146,14 @@ class BlockPool:
                 self.state[i] = 1
                 return i
         return None
+
+    def reclaim(self, worker: int) -> None:
+        """At the start of a persistent worker's pass: its blocks taken in the last pass
+        and never mapped by the training process are free (state 1 -> 0)."""
+        base = worker * self.per_worker
+        for i in range(base, base + self.per_worker):
+            if self.state[i] == 1:
+                self.state[i] = 0
 
     def block(self, i: int) -> Any:
         return self._blocks[i]
