@@ -38,15 +38,18 @@ def _flat(batches: list[list[int]]) -> list[int]:
 
 
 def epochs(source: str, opts: dict, cache_dir: str, workers: list[int]) -> dict[str, Any]:
-    """For each worker count: the batches (ids) of epochs 0 and 1, and a resume of epoch 1
-    after 5 batches (state_dict through JSON, into a fresh dataset)."""
+    """For each worker count: the batches (ids) of epochs 0 and 1 through one loader (its
+    workers kept across the epochs), and a resume of epoch 1 after 5 batches (state_dict
+    through JSON, into a fresh dataset)."""
     out: dict[str, Any] = {"rank": int(os.environ["RANK"])}
     for nw in workers:
         ds = _dataset(source, opts, cache_dir)
         got: dict[str, Any] = {"len": len(ds)}
+        loader = ds.loader(num_workers=nw)
         for epoch in (0, 1):
             ds.set_epoch(epoch)
-            got[f"e{epoch}"] = _ids(ds.loader(num_workers=nw))
+            got[f"e{epoch}"] = _ids(loader)
+        del loader
         part = _dataset(source, opts, cache_dir)
         part.set_epoch(1)
         got["head"] = _ids(part.loader(num_workers=nw), limit=5)

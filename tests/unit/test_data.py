@@ -141,6 +141,25 @@ def test_local_files_are_not_cached_by_default(tmp_path):
     assert ds.cache is None and len(list(ds)) == N
 
 
+def test_cache_directory_removed_under_a_running_process_is_made_again(tmp_path):
+    """A cache whose directory is removed after it was opened (a cleanup job, another run
+    emptying it) fills again instead of failing: persistent DataLoader workers keep their
+    FileCache for the whole run."""
+    import shutil
+
+    cache = FileCache(str(tmp_path / "c"))
+    assert cache.get("a", lambda: b"one") == b"one"
+    shutil.rmtree(tmp_path / "c")
+    assert cache.get("a", lambda: b"two") == b"two"  # refilled: the entry was gone
+    shutil.rmtree(tmp_path / "c")
+
+    def write(tmp: str) -> None:
+        Path(tmp).write_bytes(b"three")
+
+    path = cache.get_file("b", write)
+    assert Path(path).read_bytes() == b"three" and not cache.contains("a")
+
+
 def test_cache_evicts_least_recently_used(tmp_path):
     cache = FileCache(tmp_path / "c", limit=3500)
     for i in range(3):

@@ -65,8 +65,7 @@ class FileCache:
         self._data = os.path.join(self.directory, "data")
         self._locks = os.path.join(self.directory, "locks")
         self._keylocks = os.path.join(self._locks, "entries")
-        os.makedirs(self._data, exist_ok=True)
-        os.makedirs(self._locks, exist_ok=True)
+        self._make_dirs()
         lim = parse_size(limit)
         if lim is None:
             lim = shutil.disk_usage(self.directory).free // 2
@@ -75,6 +74,20 @@ class FileCache:
         self.misses = 0
         self.evictions = 0
         self._touched: dict[str, float] = {}  # key -> when this process last moved its mtime
+
+    def _make_dirs(self) -> None:
+        os.makedirs(self._data, exist_ok=True)
+        os.makedirs(self._locks, exist_ok=True)
+
+    def _open(self, path: str) -> int:
+        """A lock file of the cache, opened read-write (created, and the cache's directories
+        made again, when the directory was removed under a running process)."""
+        flags = os.O_RDWR | os.O_CREAT | O_CLOEXEC
+        try:
+            return os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            self._make_dirs()
+            return os.open(path, flags, 0o644)
 
     @staticmethod
     def key(*parts: object) -> str:
@@ -96,7 +109,7 @@ class FileCache:
 
     @contextlib.contextmanager
     def _flock(self, name: str) -> Iterator[None]:
-        fd = os.open(os.path.join(self._locks, name), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open(os.path.join(self._locks, name))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -116,7 +129,7 @@ class FileCache:
                 yield
             return
         offset = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
-        fd = os.open(self._keylocks, os.O_RDWR | os.O_CREAT | O_CLOEXEC, 0o644)
+        fd = self._open(self._keylocks)
         try:  # a lock of the open file description: threads with their own fd exclude too
             fcntl.fcntl(fd, _OFD_SETLKW, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, offset, 1, 0))
             yield
@@ -181,6 +194,7 @@ class FileCache:
                 self.hits += 1
                 return final
             tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            self._make_dirs()  # removed since this process made them: a fill makes them again
             try:
                 write(tmp)
                 self.misses += 1
@@ -193,6 +207,7 @@ class FileCache:
     def _store(self, key: str, data: bytes) -> None:
         final = self.path(key)
         tmp = f"{final}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self._make_dirs()
         try:
             with open(tmp, "wb", buffering=0) as f:
                 f.write(data)
@@ -205,7 +220,7 @@ class FileCache:
         """Rename the written ``tmp`` into place as ``final``, evicting first if it would push
         the ledger over the limit."""
         # The global lock file doubles as the ledger: total bytes cached, as text.
-        fd = os.open(os.path.join(self._locks, "ledger"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open(os.path.join(self._locks, "ledger"))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, 32, 0).strip()
