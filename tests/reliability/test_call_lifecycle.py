@@ -277,3 +277,32 @@ def test_ctrl_c_just_after_the_run_directory_is_made_leaves_none(where, monkeypa
     tmp.mkdir(mode=0o700, exist_ok=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     assert [r["tag"] for r in _fn(rel_funcs.tagged).distributed("y", 0.0)] == ["y", "y"]
+
+
+@pytest.mark.mlflow
+def test_ctrl_c_just_after_the_mlflow_run_is_made_ends_it(monkeypatch, tmp_path):
+    """Ctrl-C after the call's MLflow run was created but before the call holds it (here:
+    while the run's link is printed) ended nothing: the run stayed RUNNING in the store for
+    good. Now it ends KILLED, and nothing of the call is left."""
+    from mlflow import MlflowClient
+
+    from gangrun.tracking import caller
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+
+    def interrupted_link(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(caller, "run_link", interrupted_link)
+    with pytest.raises(KeyboardInterrupt):
+        _fn(rel_funcs.tagged, experiment_name="ctrl-c").distributed("x", 0.0)
+    monkeypatch.undo()
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("ctrl-c")
+    runs = client.search_runs([exp.experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert _run_dirs(tmp) == []

@@ -144,11 +144,17 @@ class Tracker:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}).",
             )
             return None
-        link = run_link(uri, tracker.experiment_id, tracker.run_id or "", tracker.resume_number > 0)
-        _note(stdout, link)
-        tracker._stream = stdout
-        if is_server(uri):
-            tracker._watch = HealthWatch(uri, stdout)
+        try:
+            link = run_link(
+                uri, tracker.experiment_id, tracker.run_id or "", tracker.resume_number > 0
+            )
+            _note(stdout, link)
+            tracker._stream = stdout
+            if is_server(uri):
+                tracker._watch = HealthWatch(uri, stdout)
+        except BaseException as exc:  # Ctrl-C before the call holds the run: not RUNNING
+            _end_half(tracker, exc)
+            raise
         return tracker
 
     @classmethod
