@@ -28,6 +28,12 @@ def _setting(var: str, kind: str, builtin: Any) -> Any:
     return field(default=None, metadata={"env": var, "kind": kind, "builtin": builtin})
 
 
+def setting(group: Any, name: str) -> Any:
+    """Field ``name`` of an option group: its value, or its built-in default when unset."""
+    value = getattr(group, name)
+    return settings_of(group)[name]["builtin"] if value is None else value
+
+
 def settings_of(group: Any) -> dict[str, dict[str, Any]]:
     """The fields of an option group (class or instance) that have a variable: name ->
     metadata (env, kind, builtin)."""

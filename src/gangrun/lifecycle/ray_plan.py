@@ -18,7 +18,7 @@ from .. import contract
 from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import connect, fmt_resources
-from ..options import Options
+from ..options import Options, setting
 from .plan import Plan
 
 # Caller variables shipped to remote ranks even though gangrun did not set them; the rest of
@@ -99,7 +99,7 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
         plan.gpu_name = types[0] if len(types) == 1 else None
     settings = opts.ray.with_builtins()
     runtime_env = _upload_local_dirs(ray, runtime_env_of(opts))
-    timeout = float(settings.placement_timeout or 300.0)
+    timeout = float(setting(settings, "placement_timeout"))
     if opts.timeout is not None:
         timeout = min(timeout, float(opts.timeout))
     user = {str(k): str(v) for k, v in (opts.env or {}).items()}

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ... import contract, platform
-from ...options import ForkServerOptions
+from ...options import ForkServerOptions, setting
 from ...rank.forkchild import pad_value
 from . import protocol as p
 
@@ -257,7 +257,7 @@ class Registry:
         when the gang is done."""
         fs = (settings or ForkServerOptions()).with_builtins()
         key = (tuple(fs.preload or ()), env_sig)
-        start_timeout = float(fs.start_timeout or 300.0)
+        start_timeout = float(setting(fs, "start_timeout"))
         idle: list[ForkServer] = []
         with self._lock:
             entry = self._servers.get(key)
