@@ -138,3 +138,48 @@ def test_direct_row_group_reads_equal_dataset_reads(root):
     assert used and not used_with_filter
     assert direct.column_names == cols and direct.equals(scanned)
     assert direct.schema == scanned.schema
+
+
+def test_arrow_batches_travel_as_ipc_streams_in_pool_blocks(root):
+    """``output="arrow"``: a chunk is its batches' Arrow IPC stream written into a block;
+    the record batches the loop gets are read from the block without a copy, strings and
+    fixed-size lists included, and the block is free once they are gone."""
+    import pyarrow as pa
+
+    ds = TableDataset(root, batch_size=50, output="arrow", shuffle=True, seed=2)
+    ids, pooled, n = [], 0, 0
+    for batch in ds.loader(num_workers=2):
+        assert isinstance(batch, pa.RecordBatch)
+        _check({k: _as_torch(batch.column(k)) for k in batch.schema.names})
+        ids += batch.column("id").to_pylist()
+        pool = ds._pool
+        addr = batch.column("id").buffers()[1].address
+        pooled += any(
+            pool.block(i).ctypes.data <= addr < pool.block(i).ctypes.data + pool.block_bytes
+            for i in range(pool.workers * pool.per_worker)
+        )
+        n += 1
+    assert sorted(ids) == list(range(tw.PARQUET_ROWS))
+    assert pooled == n
+    del batch
+    assert not ds._pool.held
+
+
+def test_an_arrow_chunk_bigger_than_a_block_travels_pickled(root):
+    import pyarrow as pa
+
+    from gangrun.data.table_wire import BlockPool, to_wire_ipc
+
+    table = pa.table({"id": pa.array(range(1000)), "s": pa.array([f"r{i}" for i in range(1000)])})
+    pool = BlockPool(1, 1, block_bytes=4096)
+    chunk = to_wire_ipc([table.slice(0, 500), table.slice(500)], (0, 0), pool, 0)
+    assert chunk.block is None and pool.state[0] == 0  # the block was given back
+    got = list(chunk.batches(pool))
+    assert [b.num_rows for b, _ in got] == [500, 500] and got[-1][1] == (2, 1000)
+    assert pa.Table.from_batches([b for b, _ in got]).equals(table)
+
+
+def _as_torch(col):
+    from gangrun.data.table_convert import column_to_torch
+
+    return column_to_torch(col)

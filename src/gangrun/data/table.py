@@ -34,7 +34,7 @@ from .table_source import (
     fingerprint,
     plan_units,
 )
-from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, WireChunk, to_wire
+from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, WireChunk, to_wire, to_wire_ipc
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -248,7 +248,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
         def flush() -> tuple[Any, Any]:
             nonlocal group, group_bytes, start, limit
-            chunk = to_wire(group, start, pool, wid)
+            chunk = (to_wire_ipc if self.output == "arrow" else to_wire)(group, start, pool, wid)
             group, group_bytes, start = [], 0, (nb, nr)
             limit = min(2 * limit, CHUNK_BATCHES)
             return chunk, (nb, nr)
@@ -364,8 +364,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
 
 class _WireView:
-    """The dataset as `TableLoader`'s workers see it: batches for ``output="torch"``
-    travel as plain arrays (see `table_convert.to_wire`)."""
+    """The dataset as `TableLoader`'s workers see it: batches travel in chunks
+    (``output="torch"``: plain arrays, ``"arrow"``: an Arrow IPC stream; see `table_wire`)."""
 
     def __init__(self, ds: TableDataset) -> None:
         self.ds = ds
@@ -392,15 +392,15 @@ class _WireView:
 
 class TableLoader(VolumeLoader):
     """The loader of `TableDataset.loader`: a `VolumeLoader` whose
-    workers hand batches over in chunks of several (``output="torch"`` without a
-    ``transform``; see `table_wire`): the hand-over costs about the same per item whatever
+    workers hand batches over in chunks of several (``output="torch"`` or ``"arrow"``
+    without a ``transform``; see `table_wire`): the hand-over costs about the same per item whatever
     its size, and the columns travel through shared memory blocks the dataset keeps. Each
     batch of a chunk is handed to the training loop, and its progress recorded, in turn."""
 
     def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
         self.table = dataset
         self._wire = (
-            dataset.output == "torch"
+            dataset.output in ("torch", "arrow")
             and dataset.transform is None
             and kwargs.get("collate_fn") in (None, _identity)  # a collate_fn sees batches
             and not kwargs.get("pin_memory")  # pinned: the DataLoader pins tensors

@@ -17,7 +17,9 @@ The chunk's columns travel, cheapest first:
   shared memory segment (large chunks) or pickled through the DataLoader's pipe (small ones).
 
 Strings, nested columns and columns with nulls travel as Python lists (see
-`table_convert.column_array`).
+`table_convert.column_array`). For ``output="arrow"`` (`to_wire_ipc`) the chunk is the
+batches' Arrow IPC stream, written straight into the block (every type, nulls included);
+the training process reads the record batches from the block without a copy.
 """
 
 from __future__ import annotations
@@ -165,27 +167,34 @@ class WireChunk:
     ``(offset, dtype, shape)`` places in pool block ``block``), the batch sizes, and the
     worker's progress before the first one."""
 
-    __slots__ = ("arrays", "sizes", "start", "block", "nbytes")
+    __slots__ = ("arrays", "sizes", "start", "block", "nbytes", "ipc")
 
     def __init__(
         self,
-        arrays: dict[str, Any],
+        arrays: Any,
         sizes: list[int],
         start: tuple[int, int],
         block: int | None = None,
         nbytes: int = 0,
+        ipc: bool = False,
     ):
-        self.arrays = arrays
+        self.arrays = arrays  # ipc: record batches (or None: an IPC stream in the block)
         self.sizes = sizes
         self.start = start
         self.block = block
         self.nbytes = nbytes
+        self.ipc = ipc
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.arrays, self.sizes, self.start, self.block, self.nbytes
+        return self.arrays, self.sizes, self.start, self.block, self.nbytes, self.ipc
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.arrays, self.sizes, self.start, self.block, self.nbytes = state
+        self.arrays, self.sizes, self.start, self.block, self.nbytes, self.ipc = state
+
+    def _pooled(self, pool: BlockPool | None) -> Any:
+        if pool is None:  # cannot happen: a pooled chunk comes from a pool's worker
+            raise RuntimeError("TableLoader: a pooled chunk arrived without its pool")
+        return pool.chunk_array(self.block, self.nbytes)  # type: ignore[arg-type]
 
     def _columns(self, pool: BlockPool | None) -> dict[str, Any]:
         import numpy as np
@@ -193,9 +202,7 @@ class WireChunk:
 
         arrays = self.arrays
         if self.block is not None:
-            if pool is None:  # cannot happen: a pooled chunk comes from a pool's worker
-                raise RuntimeError("TableLoader: a pooled chunk arrived without its pool")
-            raw = pool.chunk_array(self.block, self.nbytes)
+            raw = self._pooled(pool)
             arrays = {
                 k: raw[v[0] : v[0] + _nbytes(v)].view(v[1]).reshape(v[2])
                 if isinstance(v, tuple)
@@ -212,9 +219,20 @@ class WireChunk:
     def batches(
         self, pool: BlockPool | None = None
     ) -> Iterator[tuple[dict[str, Any], tuple[int, int]]]:
-        """``(batch of tensors, worker progress after it)``, in order (views, no copy)."""
+        """``(batch of tensors, worker progress after it)``, in order (views, no copy);
+        for an IPC chunk, ``(record batch, progress)`` (read from the block, no copy)."""
         import warnings
 
+        if self.ipc:
+            if self.block is None:
+                batches = self.arrays
+            else:  # the batches keep the block's array alive: it is freed after the last
+                batches = list(pa.ipc.open_stream(pa.py_buffer(self._pooled(pool))))
+            nb, nr = self.start
+            for batch in batches:
+                nb, nr = nb + 1, nr + batch.num_rows
+                yield batch, (nb, nr)
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffers
             cols = self._columns(pool)
@@ -307,4 +325,39 @@ def to_wire(
     return WireChunk(out, sizes, start, block, off)
 
 
-__all__ = ["BlockPool", "CHUNK_BATCHES", "CHUNK_BYTES", "PIPE_BYTES", "WireChunk", "to_wire"]
+def to_wire_ipc(
+    group: Sequence[pa.Table],
+    start: tuple[int, int],
+    pool: BlockPool | None = None,
+    worker: int = 0,
+) -> WireChunk:
+    """A worker's chunk of the batches ``group`` for ``output="arrow"``: their Arrow IPC
+    stream written into a free block of ``pool``, else (no block free, too big) the record
+    batches themselves, pickled through the DataLoader's pipe."""
+    from .table_convert import as_record_batch, compact
+
+    batches = [as_record_batch(t) for t in group]
+    sizes = [b.num_rows for b in batches]
+    block = pool.take(worker) if pool is not None else None
+    if block is not None:
+        assert pool is not None
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(pool.block(block)))
+        try:
+            with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+                for b in batches:
+                    writer.write_batch(b)
+            return WireChunk(None, sizes, start, block, sink.tell(), ipc=True)
+        except (pa.ArrowException, OSError, ValueError):  # bigger than a block
+            pool.state[block] = 0
+    return WireChunk([compact(b) for b in batches], sizes, start, ipc=True)
+
+
+__all__ = [
+    "BlockPool",
+    "CHUNK_BATCHES",
+    "CHUNK_BYTES",
+    "PIPE_BYTES",
+    "WireChunk",
+    "to_wire",
+    "to_wire_ipc",
+]
