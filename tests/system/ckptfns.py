@@ -91,6 +91,7 @@ def train(
     marker: str | None = None,
     block_at: int | None = None,
     gate: str | None = None,
+    workers: int = 0,
 ) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -114,7 +115,7 @@ def train(
     model, opt, _sched, state = _model(framework, rank)
     torch.manual_seed(300 + rank)
     ds = VolumeDataset(data, shuffle=True, seed=5, decode=_decode)
-    loader = VolumeLoader(ds, batch_size=None)
+    loader = VolumeLoader(ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
     state["loader"] = loader
     state["extra"] = {"seen": 0}
     ckpt = gangrun.Checkpointer(state, every=every, keep=2, storage_options=storage_options)

@@ -56,15 +56,19 @@ def _train(**opts):
 _baselines: dict[str, dict] = {}
 
 
-def baseline(framework, data, tmp_path_factory):
-    """The uninterrupted run (cached per framework), and its checkpoints: the last K kept."""
-    if framework not in _baselines:
-        where = str(tmp_path_factory.mktemp(f"base-{framework}"))
-        out = _train(checkpoint_dir=where).distributed(framework, data, TOTAL, EVERY)
+def baseline(framework, data, tmp_path_factory, workers=0):
+    """The uninterrupted run (cached per framework and DataLoader worker count: workers
+    interleave the samples differently), and its checkpoints: the last K kept."""
+    key = f"{framework}-{workers}"
+    if key not in _baselines:
+        where = str(tmp_path_factory.mktemp(f"base-{key}"))
+        out = _train(checkpoint_dir=where).distributed(
+            framework, data, TOTAL, EVERY, workers=workers
+        )
         kept = checkpoint.list_checkpoints(where)
         assert [k.rsplit("-", 1)[1] for k in kept] == ["000000006", "000000008"]  # keep=2
-        _baselines[framework] = out[0]
-    return _baselines[framework]
+        _baselines[key] = out[0]
+    return _baselines[key]
 
 
 def _history(run_id):
@@ -129,15 +133,17 @@ sys.path.insert(0, {here!r})
 import gangrun, ckptfns
 train = gangrun.distributed(processes=2, timeout=240, output="none")(ckptfns.train)
 h = train.options(checkpoint_dir={where!r}).submit(
-    {framework!r}, {data!r}, {total}, {every}, {so!r}, block_at={block}, gate={gate!r})
+    {framework!r}, {data!r}, {total}, {every}, {so!r}, block_at={block}, gate={gate!r},
+    workers={workers})
 open({idfile!r}, "w").write(h.mlflow_run_id)
 h.result()
 """
 
 
-def _caller(script, tmp_path, framework, data, where, block, so=None):
+def _caller(script, tmp_path, framework, data, where, block, so=None, workers=0):
     gate = str(tmp_path / "gate")
     code = CALLER.format(
+        workers=workers,
         here=HERE,
         where=where,
         framework=framework,
@@ -178,15 +184,34 @@ def test_caller_killed_then_resumed_with_run_id(
 # ---------------------------------------------------------------------- (c) preemption
 @pytest.mark.parametrize(
     ("framework", "how"),
-    [("ddp", "cancel"), ("fsdp2", "sigterm-rank"), ("deepspeed", "sigterm-caller")],
+    [
+        ("ddp", "cancel"),
+        ("fsdp2", "sigterm-rank"),
+        ("deepspeed", "sigterm-caller"),
+        ("ddp", "sigterm-job"),
+    ],
 )
 @pytest.mark.mlflow
 def test_preempted_then_resumed(framework, how, data, tmp_path, tmp_path_factory, script):
-    base = baseline(framework, data, tmp_path_factory)
+    """``sigterm-job``: SIGTERM to every process of the job, as SLURM sends it (the caller,
+    the fork server, the ranks and their 2 DataLoader workers each): the workers and the fork
+    server used to die of it, failing the ranks before they could save."""
+    workers = 2 if how == "sigterm-job" else 0
+    base = baseline(framework, data, tmp_path_factory, workers)
     root, block = str(tmp_path / "ckpt"), EVERY + 1
-    if how == "sigterm-caller":
-        proc, gate, run_id = _caller(script, tmp_path, framework, data, root, block)
-        proc.send_signal(signal.SIGTERM)
+    if how in ("sigterm-caller", "sigterm-job"):
+        proc, gate, run_id = _caller(
+            script, tmp_path, framework, data, root, block, workers=workers
+        )
+        if how == "sigterm-job":
+            import psutil
+
+            job = psutil.Process(proc.pid).children(recursive=True)
+            assert sum(p.name() == "pt_data_worker" for p in job) == 4
+            for p in [psutil.Process(proc.pid), *job]:
+                p.send_signal(signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # not a timing assumption: a later stop is a later (exact) checkpoint
         open(gate, "w").close()
         _, err = proc.communicate(timeout=180)
@@ -214,7 +239,7 @@ def test_preempted_then_resumed(framework, how, data, tmp_path, tmp_path_factory
         from mlflow.tracking import MlflowClient
 
         assert MlflowClient().get_run(run_id).info.status == "KILLED"
-    out = _train(run_id=run_id).distributed(framework, data, TOTAL, EVERY)
+    out = _train(run_id=run_id).distributed(framework, data, TOTAL, EVERY, workers=workers)
     _assert_same(base, out, run_id)
 
 

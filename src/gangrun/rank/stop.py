@@ -8,6 +8,13 @@ Two ways a rank is asked:
 
 `should_stop` answers both, cheaply (a flag, then one ``stat`` of the request file).
 
+A scheduler may signal every process of the job (SLURM does, and ``kill -TERM -<pgid>``),
+DataLoader workers included. torch's workers die of any SIGTERM not sent by their parent, and
+their death raises an error in the training loop (``DataLoader worker ... is killed by
+signal: Terminated``) before the rank could save. So while a Checkpointer is active, the
+DataLoader workers forked from the rank keep running on an outside SIGTERM (the rank saves,
+then ends them as it ends its loaders); gangrun's own teardown still ends them at once.
+
 The SIGTERM handler is installed only while a `gangrun.Checkpointer` is active (never
 in a rank that does not checkpoint: there SIGTERM keeps its default, immediate death). Even
 then a teardown stays immediate: gangrun's own teardown (a peer failed, a timeout, a plain
@@ -126,8 +133,38 @@ def install() -> bool:
             os.close(r)
             os.close(w)
         signal.signal(signal.SIGTERM, _python_handler)
+        _guard_loader_workers()
         _installed = True
         return True
+
+
+def _guard_loader_workers() -> None:
+    """Make the DataLoader workers forked from now on keep running on an outside SIGTERM:
+    torch sets each worker's signal handlers first thing (``_set_worker_signal_handlers``,
+    looked up on its module at every worker start), then this process's policy applies."""
+    try:
+        from torch.utils.data._utils import signal_handling
+    except Exception:  # no torch (or another layout): workers keep torch's own handlers
+        return
+    original = getattr(signal_handling, "_set_worker_signal_handlers", None)
+    if original is None or getattr(original, "gangrun_guard", False):
+        return
+
+    def set_worker_signal_handlers(*args: object, **kwargs: object) -> None:
+        original(*args, **kwargs)
+        if _run_dir() is not None:
+            signal.signal(signal.SIGTERM, _worker_sigterm)
+
+    set_worker_signal_handlers.gangrun_guard = True  # type: ignore[attr-defined]
+    signal_handling._set_worker_signal_handlers = set_worker_signal_handlers
+
+
+def _worker_sigterm(signum: int, frame: object) -> None:
+    """In a DataLoader worker of a checkpointing rank: gangrun's teardown ends it at once;
+    any other SIGTERM (a scheduler signalling every process) leaves it to its rank."""
+    rd = _run_dir()
+    if rd is None or os.path.exists(rd.stop_teardown):
+        _die_now()
 
 
 def _reset_in_child() -> None:

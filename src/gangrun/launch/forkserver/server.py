@@ -11,6 +11,11 @@ rank that ends re-parents here, and the server kills every child that is neither
 rank nor an idle pool child each time it reaps a rank. When the caller closes the channel
 (exit or death) the server exits; its children see the server's liveness pipe close and take
 their trees down themselves.
+
+A SIGTERM while ranks run is ignored: a scheduler that signals every process of the job
+(SLURM) would otherwise take the ranks down with the server while they save a checkpoint
+(the caller stops the server by closing the channel, never by a signal). An idle server
+ends as SIGTERM would end it.
 """
 
 from __future__ import annotations
@@ -111,8 +116,15 @@ class Server:
         )
 
     # -- loop -------------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        if self.status:  # ranks run (and may be checkpointing): they report to us
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def loop(self) -> None:
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         sel = selectors.PollSelector()  # no epoll fd to leak into children
         sel.register(self.sock, selectors.EVENT_READ, "ctl")
@@ -293,6 +305,7 @@ class Server:
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         fds = [self.sock.fileno(), self.alive_w, self.wake_r, self.wake_w]
         fds += list(self.status.values()) + [s.fileno() for _, s in self.pool] + list(close)
