@@ -100,15 +100,18 @@ class TwoRaylets:
         return pids
 
     def stop(self) -> list[str]:
-        """Kill the whole cluster; what survived (should be nothing)."""
+        """Kill the whole cluster; what survived (should be nothing). SIGTERM first, with 2 s
+        to go: the workers, agents and the second raylet end within 0.1 s, but the GCS and the
+        autoscaler monitor outlive a SIGTERM by more than 10 s (the head raylet waits for them),
+        so a longer grace only waits; SIGKILL then, with 10 s for every process to be gone."""
         procs = self.processes()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 10.0)):
             for p in procs:
                 try:
                     p.send_signal(sig)
                 except psutil.Error:
                     continue
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(_alive(p) for p in procs):
                 time.sleep(0.1)
         return [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in procs if _alive(p)]

@@ -104,10 +104,13 @@ def _wait_for(cond, what, timeout=120.0):
         time.sleep(0.05)
 
 
+# The matrix is a covering, not a product: every framework is interrupted, restored and compared
+# in at least two of the modes (a), (b), (c), both storages are in (a) and (b), and each of the
+# five ways to stop a run is there once or more. The restore a mode leads to is the framework's
+# (its state_dict / DCP / engine checkpoint, the same Checkpointer.restore in every mode); how the
+# run was stopped and found again is the mode's, the same code for every framework.
 # ---------------------------------------------------------------------- (a) rank SIGKILLed
-@pytest.mark.parametrize(
-    ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
-)
+@pytest.mark.parametrize(("framework", "where"), [("ddp", "s3"), ("deepspeed", "local")])
 @pytest.mark.mlflow
 def test_rank_killed_at_random_step_restarted_by_max_restarts(
     framework, where, data, tmp_path, tmp_path_factory, request
@@ -160,9 +163,7 @@ def _caller(script, tmp_path, framework, data, where, block, so=None, workers=0)
     return proc, gate, open(tmp_path / "run_id").read()
 
 
-@pytest.mark.parametrize(
-    ("framework", "where"), [("ddp", "s3"), ("fsdp2", "local"), ("deepspeed", "local")]
-)
+@pytest.mark.parametrize(("framework", "where"), [("ddp", "s3"), ("fsdp2", "local")])
 @pytest.mark.mlflow
 def test_caller_killed_then_resumed_with_run_id(
     framework, where, data, tmp_path, tmp_path_factory, script, request

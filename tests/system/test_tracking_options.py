@@ -211,7 +211,9 @@ def test_mlflow_false_leaves_no_run_running(store):
     assert not [r for r in runs if r.data.tags.get("gangrun.function")]  # no run of the call
 
 
+# sqlite only: the rank-side end of the user's runs over REST is test_mlflow_false_* [server]
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_child_runs_opened_in_ranks_end_with_their_rank(store):
     @distributed(processes=2, timeout=90)
     def children(uri: str) -> None:
