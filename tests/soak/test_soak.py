@@ -5,7 +5,7 @@ call, and checks: the right root cause (rank, exception type / exit code / signa
 surviving process of the run (descendants included), no leaked file descriptors, threads,
 run directories or listening ports in the caller, and that the next call succeeds.
 
-    pytest -m soak tests/soak                                 # CI size: 60 runs of the CI seed
+    pytest -m soak tests/soak                                 # CI size: 40 runs of the CI seed
     make soak                                                 # 1000 runs
     GANGRUN_SOAK_SEED=1234 GANGRUN_SOAK_ONLY=57 pytest -m soak tests/soak   # replay one run
     GANGRUN_SOAK_FIRST_FAILURE=1 ...                                         # stop at the first failure
@@ -52,11 +52,13 @@ from gangrun.errors import DistributedCancelledError
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow]
 
-RUNS = int(os.environ.get("GANGRUN_SOAK_RUNS", "60"))
+CI_RUNS = 40
+RUNS = int(os.environ.get("GANGRUN_SOAK_RUNS", str(CI_RUNS)))
 # A fixed default keeps CI reproducible; `make soak` draws a fresh seed each time. The CI seed
-# is chosen so that its first 60 runs hold every fault kind and every injection point at least
-# once (they are runs 67-126 of seed 20261130, the CI seed before): see test_ci_seed_covers_*.
-CI_SEED = 20261197
+# is chosen so that its first CI_RUNS runs hold every fault kind and every injection point at
+# least once, with both world sizes: see test_ci_seed_covers_*. (Searched: 3 of the 40,000
+# seeds from 20261200 on do with 40 runs; 60 runs of seed 20261197 were the CI soak before.)
+CI_SEED = 20287785
 BASE_SEED = int(os.environ.get("GANGRUN_SOAK_SEED") or CI_SEED)
 ONLY = os.environ.get("GANGRUN_SOAK_ONLY")
 KINDS = set(filter(None, os.environ.get("GANGRUN_SOAK_KINDS", "").split(",")))  # debug filter
@@ -641,9 +643,9 @@ def _label(plan: dict) -> str:
 
 
 def test_ci_seed_covers_every_fault_kind_and_point():
-    """The CI soak (60 runs of CI_SEED) draws every fault kind (caller kills by both signals,
-    hangs caught both ways) and every injection point at least once."""
-    plans = [make_plan(CI_SEED + i, "/unused") for i in range(60)]
+    """The CI soak (CI_RUNS runs of CI_SEED) draws every fault kind (caller kills by both
+    signals, hangs caught both ways) and every injection point at least once."""
+    plans = [make_plan(CI_SEED + i, "/unused") for i in range(CI_RUNS)]
     kinds = set(RANK_KINDS + CALLER_KINDS + SCENARIO_KINDS + OUTAGE_KINDS)
     kinds = kinds - {"caller_kill", "hang"}
     kinds |= {"caller_SIGKILL", "caller_SIGINT", "hang_guard", "hang_timeout"}
