@@ -92,3 +92,13 @@ def write_delta(uri: str, endpoint: str | None = None) -> tuple[set[int], set[in
         writer_properties=WriterProperties(max_row_group_size=251),
     )
     return set(range(DELTA_V0)), set(range(DELTA_V0 + DELTA_V1))
+
+
+def in_pool(ds: Any, address: int) -> bool:
+    """Whether memory at ``address`` lies in one of ``ds``'s shared memory pool blocks
+    (TableLoader's hand-over: `gangrun.data.table_wire.BlockPool`)."""
+    pool = ds._pool
+    return pool is not None and any(
+        b.ctypes.data <= address < b.ctypes.data + pool.block_bytes
+        for b in (pool.block(i) for i in range(pool.workers * pool.per_worker))
+    )

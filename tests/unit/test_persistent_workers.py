@@ -49,12 +49,7 @@ def root(tmp_path):
 
 
 def _pooled(ds: TableDataset, batch) -> bool:
-    pool = ds._pool
-    ptr = batch["id"].data_ptr()
-    return pool is not None and any(
-        b.ctypes.data <= ptr < b.ctypes.data + pool.block_bytes
-        for b in (pool.block(i) for i in range(pool.workers * pool.per_worker))
-    )
+    return tw.in_pool(ds, batch["id"].data_ptr())
 
 
 def _pass(ds, loader, limit=None):

@@ -26,14 +26,7 @@ def _check(batch) -> None:
 
 def _pooled(ds: TableDataset, batch) -> bool:
     """Whether the batch's ids live in one of the dataset's pool blocks."""
-    pool = ds._pool
-    if pool is None:
-        return False
-    ptr = batch["id"].data_ptr()
-    return any(
-        b.ctypes.data <= ptr < b.ctypes.data + pool.block_bytes
-        for b in (pool.block(i) for i in range(pool.workers * pool.per_worker))
-    )
+    return tw.in_pool(ds, batch["id"].data_ptr())
 
 
 @pytest.fixture
@@ -152,12 +145,7 @@ def test_arrow_batches_travel_as_ipc_streams_in_pool_blocks(root):
         assert isinstance(batch, pa.RecordBatch)
         _check({k: _as_torch(batch.column(k)) for k in batch.schema.names})
         ids += batch.column("id").to_pylist()
-        pool = ds._pool
-        addr = batch.column("id").buffers()[1].address
-        pooled += any(
-            pool.block(i).ctypes.data <= addr < pool.block(i).ctypes.data + pool.block_bytes
-            for i in range(pool.workers * pool.per_worker)
-        )
+        pooled += tw.in_pool(ds, batch.column("id").buffers()[1].address)
         n += 1
     assert sorted(ids) == list(range(tw.PARQUET_ROWS))
     assert pooled == n

@@ -254,12 +254,9 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
     def loader(self, **dataloader_kwargs: Any) -> VolumeLoader:
         """A ``DataLoader`` over this dataset that keeps `state_dict` exact with workers
         (they are kept across epochs unless ``persistent_workers=False``)."""
-        from .loader import VolumeLoader
+        from .loader import VolumeLoader, keep_workers_by_default
 
-        dataloader_kwargs.setdefault(
-            "persistent_workers", int(dataloader_kwargs.get("num_workers", 0)) > 0
-        )
-        return VolumeLoader(self, **dataloader_kwargs)
+        return VolumeLoader(self, **keep_workers_by_default(dataloader_kwargs))
 
     def __repr__(self) -> str:
         return (

@@ -121,7 +121,7 @@ class VolumeLoader(DataLoader):
         if "sampler" in kwargs or "batch_sampler" in kwargs or kwargs.get("shuffle"):
             raise ValueError("VolumeDataset does its own sharding and shuffling")
         self.volume = dataset
-        persistent = bool(kwargs.get("persistent_workers")) and int(kwargs.get("num_workers", 0))
+        persistent = bool(kwargs.get("persistent_workers")) and _workers(kwargs) > 0
         self._channel = EpochChannel() if persistent else None
         self._view = _TaggedView(dataset, self._channel)
         if kwargs.get("generator") is None:
@@ -152,16 +152,32 @@ class VolumeLoader(DataLoader):
             self.generator.set_state(gen)
         self.volume.load_state_dict(state)  # type: ignore[attr-defined]
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def _begin_pass(self) -> None:
+        """Take the restored position for the pass starting now, start recording it, and
+        tell persistent workers the epoch and the position."""
         ds = self.volume
         start = ds.resume_position()
         self._view.start = start
         ds.start_progress(max(1, int(self.num_workers)), start)
         if self._channel is not None:
             self._channel.write(ds.epoch, start)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._begin_pass()
         for batch, (wid, progress) in super().__iter__():
-            ds.record_progress(wid, progress)
+            self.volume.record_progress(wid, progress)
             yield batch
 
 
-__all__ = ["EpochChannel", "VolumeLoader"]
+def _workers(kwargs: dict[str, Any]) -> int:
+    return int(kwargs.get("num_workers", 0) or 0)
+
+
+def keep_workers_by_default(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``ds.loader(...)``'s DataLoader arguments: workers are kept across epochs unless
+    ``persistent_workers`` is given."""
+    kwargs.setdefault("persistent_workers", _workers(kwargs) > 0)
+    return kwargs
+
+
+__all__ = ["EpochChannel", "VolumeLoader", "keep_workers_by_default"]

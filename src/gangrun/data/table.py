@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
-from .loader import VolumeLoader
+from .loader import VolumeLoader, keep_workers_by_default
 from .resumable import ResumableEpochs
 from .table_convert import OUTPUTS, as_record_batch, convert
 from .table_delta import resolve
@@ -350,10 +350,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise ValueError("TableDataset batches itself: give batch_size= to TableDataset")
         dataloader_kwargs.setdefault("collate_fn", _identity)
-        dataloader_kwargs.setdefault(
-            "persistent_workers", int(dataloader_kwargs.get("num_workers", 0)) > 0
-        )
-        return TableLoader(self, batch_size=None, **dataloader_kwargs)
+        return TableLoader(self, batch_size=None, **keep_workers_by_default(dataloader_kwargs))
 
     def __repr__(self) -> str:
         return (
@@ -426,12 +423,8 @@ class TableLoader(VolumeLoader):
         return pool if pool.lend() else None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        ds = self.volume
-        start = ds.resume_position()
-        self._view.start = start
-        ds.start_progress(max(1, int(self.num_workers)), start)
+        self._begin_pass()
         if self._channel is not None:  # persistent workers: started by the first pass
-            self._channel.write(ds.epoch, start)
             if not self._started:
                 self._kept_pool = self._lend_pool() if self._wire else None
             yield from self._deliver(self._start_pass(self._kept_pool), self._kept_pool)

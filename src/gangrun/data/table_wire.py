@@ -228,20 +228,22 @@ class WireChunk:
                 batches = self.arrays
             else:  # the batches keep the block's array alive: it is freed after the last
                 batches = list(pa.ipc.open_stream(pa.py_buffer(self._pooled(pool))))
-            nb, nr = self.start
-            for batch in batches:
-                nb, nr = nb + 1, nr + batch.num_rows
-                yield batch, (nb, nr)
+            yield from zip(batches, self._progress(), strict=True)
             return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only buffers
             cols = self._columns(pool)
-        nb, nr = self.start
         off = 0
+        for size, done in zip(self.sizes, self._progress(), strict=True):
+            yield {k: v[off : off + size] for k, v in cols.items()}, done
+            off += size
+
+    def _progress(self) -> Iterator[tuple[int, int]]:
+        """The worker's progress after each batch of the chunk."""
+        nb, nr = self.start
         for size in self.sizes:
             nb, nr = nb + 1, nr + size
-            yield {k: v[off : off + size] for k, v in cols.items()}, (nb, nr)
-            off += size
+            yield nb, nr
 
 
 def _nbytes(place: tuple[int, str, tuple[int, ...]]) -> int:

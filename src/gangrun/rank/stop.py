@@ -76,10 +76,15 @@ def _die_now() -> None:
     os._exit(128 + signal.SIGTERM)
 
 
-def _on_sigterm() -> None:
+def _die_if_teardown() -> None:
+    """gangrun's own teardown (or no run directory to tell): die at once, as SIGTERM would."""
     rd = _run_dir()
     if rd is None or os.path.exists(rd.stop_teardown):
         _die_now()
+
+
+def _on_sigterm() -> None:
+    _die_if_teardown()
     _flag.set()
 
 
@@ -162,9 +167,7 @@ def _guard_loader_workers() -> None:
 def _worker_sigterm(signum: int, frame: object) -> None:
     """In a DataLoader worker of a checkpointing rank: gangrun's teardown ends it at once;
     any other SIGTERM (a scheduler signalling every process) leaves it to its rank."""
-    rd = _run_dir()
-    if rd is None or os.path.exists(rd.stop_teardown):
-        _die_now()
+    _die_if_teardown()
 
 
 def _reset_in_child() -> None:
