@@ -204,10 +204,11 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         rank, world = self.rank_world()
+        same = start is not None and sharding.same_layout(start, world, nw)
+        wid = self._logical_worker(wid, nw, start if same else None)
         files, quota = sharding.worker_plan(
             self.rank_files(rank=rank), wid, nw, self.samples_per_rank
         )
-        same = start is not None and sharding.same_layout(start, world, nw)
         wstart = self._worker_start(start, same, world, nw, wid)
         track = info is None and not tagged  # direct iteration in this process
         if track:

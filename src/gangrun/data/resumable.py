@@ -56,6 +56,18 @@ class ResumableEpochs:
             )
         return None
 
+    @staticmethod
+    def _logical_worker(wid: int, nw: int, start: dict[str, Any] | None) -> int:
+        """The worker of the saved pass that DataLoader worker ``wid`` continues.
+
+        A DataLoader hands batches out round-robin over its workers, starting each pass at
+        worker 0; a pass resumed mid-epoch must start at the worker the interrupted pass would
+        have served next (``start["next"]``), so DataLoader worker ``w`` takes the part of
+        worker ``(w + next) % nw``: the batches then come in the uninterrupted order."""
+        if start is None:
+            return wid
+        return (wid + int(start.get("next") or 0)) % nw
+
     def _deliver(
         self, items: Iterable[tuple[Any, Any]], wid: int, tagged: bool, track: bool
     ) -> Iterator[Any]:
@@ -90,7 +102,9 @@ class ResumableEpochs:
         (the tag ``iter_tagged`` attached to them)."""
         if self._live is None:
             raise RuntimeError("record_progress() before start_progress()")
-        self._live["workers"][worker] = list(progress)
+        workers = self._live["workers"]
+        workers[worker] = list(progress)
+        self._live["next"] = (worker + 1) % len(workers)  # the round-robin's next worker
 
     def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
         """``(item, (worker id, progress))`` pairs of this DataLoader worker's (or this

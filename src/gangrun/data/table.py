@@ -17,15 +17,17 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
-from .loader import VolumeLoader, keep_workers_by_default
+from .loader import keep_workers_by_default
 from .resumable import ResumableEpochs
 from .table_convert import OUTPUTS, as_record_batch, convert
 from .table_delta import resolve
+from .table_loader import TableLoader
+from .table_loader import identity as _identity
 from .table_source import (
     FileAccess,
     Reader,
@@ -34,14 +36,10 @@ from .table_source import (
     fingerprint,
     plan_units,
 )
-from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, WireChunk, to_wire, to_wire_ipc
+from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, to_wire, to_wire_ipc
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-
-def _identity(x: Any) -> Any:
-    return x
 
 
 class TableDataset(ResumableEpochs, IterableDataset):
@@ -290,8 +288,9 @@ class TableDataset(ResumableEpochs, IterableDataset):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         _, world = self.rank_world()
-        wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
         same = start is not None and self._same_layout(start, world, nw)
+        wid = self._logical_worker(wid, nw, start if same else None)
+        wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
         wstart = self._worker_start(start, same, world, nw, wid)
         track = info is None and not tagged
         if track:
@@ -358,111 +357,6 @@ class TableDataset(ResumableEpochs, IterableDataset):
             f"row_groups={len(self.units)}, columns={self.columns}, batch_size="
             f"{self.batch_size}, shuffle={self.shuffle}, uneven={self.uneven!r})"
         )
-
-
-class _WireView:
-    """The dataset as `TableLoader`'s workers see it: batches travel in chunks
-    (``output="torch"``: plain arrays, ``"arrow"``: an Arrow IPC stream; see `table_wire`)."""
-
-    def __init__(self, ds: TableDataset) -> None:
-        self.ds = ds
-
-    def resume_position(self) -> dict[str, Any] | None:
-        return self.ds.resume_position()
-
-    @property
-    def epoch(self) -> int:
-        return self.ds.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.ds.set_epoch(epoch)
-
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
-        self.ds.start_progress(num_workers, start)
-
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]:
-        return self.ds._iterate(start, tagged=True, wire=True)
-
-    def record_progress(self, worker: int, progress: Any) -> None:
-        self.ds.record_progress(worker, progress)
-
-
-class TableLoader(VolumeLoader):
-    """The loader of `TableDataset.loader`: a `VolumeLoader` whose
-    workers hand batches over in chunks of several (``output="torch"`` or ``"arrow"``
-    without a ``transform``; see `table_wire`): the hand-over costs about the same per item whatever
-    its size, and the columns travel through shared memory blocks the dataset keeps. Each
-    batch of a chunk is handed to the training loop, and its progress recorded, in turn."""
-
-    def __init__(self, dataset: TableDataset, **kwargs: Any) -> None:
-        self.table = dataset
-        self._wire = (
-            dataset.output in ("torch", "arrow")
-            and dataset.transform is None
-            and kwargs.get("collate_fn") in (None, _identity)  # a collate_fn sees batches
-            and not kwargs.get("pin_memory")  # pinned: the DataLoader pins tensors
-        )
-        view: Any = _WireView(dataset) if self._wire else dataset
-        super().__init__(view, **kwargs)
-        self._started = False  # persistent workers: the first pass started them
-        self._kept_pool: BlockPool | None = None  # ... and the blocks lent to them
-
-    def _lend_pool(self) -> BlockPool | None:
-        """The dataset's blocks for this pass (made on first use), or None (another pass
-        holds them, or no shared memory: the workers use the fallbacks)."""
-        ds = self.table
-        nw, per = int(self.num_workers), int(self.prefetch_factor or 2) + 2
-        pool = ds._pool
-        if pool is None or pool.workers < nw or pool.per_worker < per:
-            if pool is not None and pool.busy:
-                return None
-            try:
-                pool = ds._pool = BlockPool(nw, per)
-            except (RuntimeError, OSError):
-                return None
-        return pool if pool.lend() else None
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        self._begin_pass()
-        if self._channel is not None:  # persistent workers: started by the first pass
-            if not self._started:
-                self._kept_pool = self._lend_pool() if self._wire else None
-            yield from self._deliver(self._start_pass(self._kept_pool), self._kept_pool)
-            return
-        pool = self._lend_pool() if self._wire and self.num_workers > 0 else None
-        it = self._start_pass(pool)
-        try:
-            yield from self._deliver(it, pool)
-        finally:
-            if pool is not None:
-                shutdown = getattr(it, "_shutdown_workers", None)
-                if shutdown is not None:
-                    shutdown()  # no worker of this pass writes into a block any more
-                pool.give_back()
-
-    def _start_pass(self, pool: BlockPool | None) -> Any:
-        """The DataLoader's iterator of this pass (workers forked now inherit ``pool``)."""
-        self.table._pool_active = pool
-        try:
-            it = DataLoader.__iter__(self)
-        finally:
-            self.table._pool_active = None
-        if pool is not None and self._channel is not None and not self._started:
-            pool.keep_for(it)  # lent while these persistent workers live
-        self._started = True
-        return it
-
-    def _deliver(self, it: Any, pool: BlockPool | None) -> Iterator[Any]:
-        """Each batch of the pass, its worker's progress recorded as it is handed out."""
-        ds = self.volume
-        for item, (wid, progress) in it:
-            if isinstance(item, WireChunk):
-                for batch, done in item.batches(pool):
-                    ds.record_progress(wid, done)
-                    yield batch
-            else:
-                ds.record_progress(wid, progress)
-                yield item
 
 
 __all__ = ["TableDataset", "TableError", "TableLoader"]
