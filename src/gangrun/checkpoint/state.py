@@ -208,7 +208,9 @@ def apply(
         if key in blob["stateful"]:
             obj.load_state_dict(blob["stateful"][key])
     for key, value in blob["plain"].items():
-        if key in e.plain:
+        # every plain value saved goes back, also one the mapping gained after it was made
+        # (``state["best"] = loss`` in the loop); not over an entry that is now an object
+        if key in e.plain or (isinstance(state, Mapping) and key not in state):
             e.plain[key] = value
             try:
                 state[key] = value

@@ -23,10 +23,11 @@ collectives never interleave with them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from .. import contract
@@ -72,21 +73,22 @@ class Checkpointer:
         async_save: bool = True,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        root = dir or os.environ.get(contract.CHECKPOINT_DIR)
+        root = dir if dir not in (None, "") else os.environ.get(contract.CHECKPOINT_DIR)
         if not root:
             raise RuntimeError(
                 "Checkpointer: no checkpoint location. Name one for the call: "
                 "@distributed(checkpoint_dir='s3://bucket/run') (or .options(...), the "
                 f"--checkpoint-dir flag, {contract.CHECKPOINT_DIR_OPTION}), or Checkpointer(dir=...)."
             )
-        for name, v in (("every", every), ("keep", keep)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"Checkpointer: {name} must be an integer >= 1 or None, got {v!r}")
-        self.dir = root.rstrip("/")
+        _validate(state, every, every_seconds, keep, root, async_save, storage_options)
+        self.dir = os.fspath(root).rstrip("/")
         self.every, self.every_seconds, self.keep = every, every_seconds, keep
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
-        self.state: Mapping[str, Any] = state if state is not None else {}
+        # a mapping the manager can put restored plain values into
+        self.state: Mapping[str, Any] = (
+            state if isinstance(state, MutableMapping) else dict(state or {})
+        )
         self.step = 0  # steps done: the step to start from
         self.last: str | None = None  # newest committed checkpoint (this manager's view)
         self.restored_from: str | None = None
@@ -99,6 +101,8 @@ class Checkpointer:
         self._stager: Any = None
         self._rank, self._world = 0, 1
         self._restored = False
+        self._warned_metrics = False
+        self._have: dict[str, set[int]] = {}  # steps the run has, per metric key
         _stop.install()
 
     # ------------------------------------------------------------------ helpers
@@ -107,14 +111,27 @@ class Checkpointer:
             return
         dist = _dist()
         if dist is None:
+            rank, world = env_rank_world()
+            if world > 1:
+                raise RuntimeError(
+                    f"Checkpointer on rank {rank} of {world}: torch.distributed is not "
+                    "initialised, so every rank would save to and restore from the same files "
+                    "(rank 1 would get rank 0's state back). Call "
+                    "torch.distributed.init_process_group() before the Checkpointer's first "
+                    "restore()/steps()/save(); for independent trainings on each rank give "
+                    f"each its own location: Checkpointer(..., dir=f'{{root}}/rank-{rank}')."
+                )
             self._groups = (None, None)
             return
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         # one group for the per-step flag (training thread), one for saves (DCP's thread)
         self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
 
-    def _classify(self) -> _state.Entries:
-        if self._entries is None:
+    def _classify(self, fresh: bool = False) -> _state.Entries:
+        """The state mapping sorted by how each entry is saved; ``fresh``: sorted again, as
+        the mapping is now (a save takes every entry as it is at save time: a reassigned
+        plain value, a key added since)."""
+        if self._entries is None or fresh:
             self._entries = _state.classify(self.state, self._rank)
             if self._entries.engines and "://" in self.dir and not self.dir.startswith("file://"):
                 raise ValueError(
@@ -146,7 +163,7 @@ class Checkpointer:
         if state is not None:
             self.state, self._entries = state, None
         self._setup()
-        e = self._classify()
+        e = self._classify(fresh=True)
         found = latest(self.dir, **self.storage_options) if self._rank == 0 else None
         dist = _dist()
         if dist is not None and self._world > 1:
@@ -184,11 +201,18 @@ class Checkpointer:
         end, saving the final step too."""
         if not self._restored:
             self.restore()
-        for step in range(self.step, total):
-            yield step
-            self.step_done(step, total)
-        if self._saved_step != self.step:
-            self.save()
+        try:
+            for step in range(self.step, total):
+                yield step
+                self.step_done(step, total)
+            if self._saved_step != self.step:
+                self.save()
+        except GeneratorExit:
+            # the loop was left early (break, return): every metric given so far reaches the
+            # run (a later resume does not log a step twice: see _log) and the save in flight
+            # is committed; the step the loop was in is not saved
+            self.close()
+            raise
         self.close()
 
     def step_done(self, step: int, total: int | None = None) -> bool:
@@ -214,6 +238,8 @@ class Checkpointer:
         """Log ``metrics`` for ``step`` to the call's MLflow run once the checkpoint that
         covers the step is committed: a step replayed after a restore is logged once, never
         twice, never lost."""
+        if self._rank_for_metrics() != 0:
+            return
         ms = int(time.time() * 1000)
         self._metrics.append((int(step), ms, {k: float(v) for k, v in metrics.items()}))
         if self.every is None and self.every_seconds is None:
@@ -223,7 +249,7 @@ class Checkpointer:
     def save(self, *, wait: bool = False) -> str:
         """Checkpoint the state at `step` now (every rank calls it)."""
         self._setup()
-        e = self._classify()
+        e = self._classify(fresh=True)
         self.wait()
         step, url = self.step, self._url(self.step)
         for key, engine in e.engines.items():
@@ -326,6 +352,19 @@ class Checkpointer:
             self.close()
 
     # ------------------------------------------------------------------ MLflow
+    def _rank_for_metrics(self) -> int:
+        """This rank, warning once when it is not rank 0: rank 0's metrics are the run's."""
+        rank = self._rank if self._groups is not None else env_rank_world()[0]
+        if rank != 0 and not self._warned_metrics:
+            self._warned_metrics = True
+            print(
+                f"gangrun: Checkpointer.log_metrics on rank {rank} is ignored: rank 0's "
+                "metrics are logged, once per step (all_reduce a value first for a global "
+                "one; mlflow.log_metric logs a rank's own, live).",
+                file=sys.stderr,
+            )
+        return rank
+
     def _client(self) -> Any:
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if not run_id:
@@ -345,29 +384,30 @@ class Checkpointer:
         self._log(ready)
 
     def _log(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
+        """Log ``entries`` but the (key, step) pairs the run has already: a step that an
+        earlier attempt logged and this one redid (after a restore, or a loop left early and
+        resumed) is in the run once."""
         client, run_id = self._client()
         if client is None:
             return
         from mlflow.entities import Metric
 
-        batch = [Metric(k, v, ms, s) for s, ms, m in entries for k, v in m.items()]
+        batch = []
+        for s, ms, m in entries:
+            for k, v in m.items():
+                have = self._have.get(k)
+                if have is None:
+                    have = self._have[k] = {x.step for x in client.get_metric_history(run_id, k)}
+                if s not in have:
+                    have.add(s)
+                    batch.append(Metric(k, v, ms, s))
         for i in range(0, len(batch), 1000):
             client.log_batch(run_id, metrics=batch[i : i + 1000])
 
     def _replay_metrics(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
         # Metrics the checkpoint covered but whose flush the previous attempt may not have
         # reached: log the ones the run does not have yet.
-        client, run_id = self._client()
-        if client is None or not entries:
-            return
-        keys = {k for _, _, m in entries for k in m}
-        have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
-        todo = []
-        for s, ms, m in entries:
-            left = {k: v for k, v in m.items() if s not in have[k]}
-            if left:
-                todo.append((s, ms, left))
-        self._log(todo)
+        self._log([(int(s), int(ms), dict(m)) for s, ms, m in entries])
 
     def _tag(self, url: str) -> None:
         client, run_id = self._client()
@@ -376,6 +416,56 @@ class Checkpointer:
                 client.set_tag(run_id, TAG_LATEST, url)
             except Exception as exc:  # tracking must not stop the training
                 print(f"gangrun: could not tag the MLflow run: {exc}", file=sys.stderr)
+
+
+def env_rank_world() -> tuple[int, int]:
+    """``(RANK, WORLD_SIZE)`` of this process's environment (0 and 1 when unset)."""
+    try:
+        return int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 0, 1
+
+
+def _validate(
+    state: Any,
+    every: Any,
+    every_seconds: Any,
+    keep: Any,
+    root: Any,
+    async_save: Any,
+    storage_options: Any,
+) -> None:
+    """A ``ValueError``/``TypeError`` naming the argument, for one the manager cannot use."""
+    rank = env_rank_world()[0]
+    where = f"Checkpointer on rank {rank}"
+    for name, v in (("every", every), ("keep", keep)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{where}: {name} must be an integer >= 1 or None, got {v!r}")
+    if every_seconds is not None:
+        if isinstance(every_seconds, bool) or not isinstance(every_seconds, (int, float)):
+            raise TypeError(
+                f"{where}: every_seconds must be a number of seconds > 0 or None, got "
+                f"{every_seconds!r} ({type(every_seconds).__name__})"
+            )
+        if not every_seconds > 0 or every_seconds != every_seconds or every_seconds == math.inf:
+            raise ValueError(
+                f"{where}: every_seconds must be a number of seconds > 0 or None, got "
+                f"{every_seconds!r}"
+            )
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"{where}: dir must be a path or URL string, got {type(root).__name__}")
+    if not isinstance(async_save, bool):
+        raise TypeError(f"{where}: async_save must be True or False, got {async_save!r}")
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"{where}: storage_options must be a dict of fsspec options, got "
+            f"{type(storage_options).__name__}"
+        )
+    if state is not None and not isinstance(state, Mapping):
+        raise TypeError(
+            f"{where}: the state must be a dict of name -> object (model, optimizer, loader, "
+            f"plain values), got {type(state).__name__}"
+        )
 
 
 def should_stop() -> bool:
