@@ -7,6 +7,7 @@
   dict, keyed by parameter name (so it reloads into the same layout, or another sharding);
 * a DeepSpeed engine: through the engine's own ``save_checkpoint``/``load_checkpoint`` (it owns
   its ZeRO-partitioned optimizer and scheduler); local directories only;
+* a plain ``torch.utils.data.DataLoader``: its position in the pass (`dataloader`), per rank;
 * anything else with ``state_dict()``/``load_state_dict()`` (an LR scheduler, a
   `VolumeLoader` / ``VolumeDataset``, a ``GradScaler``...) and every plain
   value (numbers, strings, tensors, lists/dicts of those): per rank, in one blob per rank,
@@ -23,6 +24,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .dataloader import is_plain_loader, track
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 BLOB = "__gangrun_rank{rank}"  # per-rank entries + RNG states (one bytes item each)
@@ -87,6 +90,8 @@ def classify(state: Mapping[str, Any], rank: int) -> Entries:
             getattr(obj, "load_state_dict", None)
         ):
             out.stateful[key] = obj
+        elif is_plain_loader(obj):  # its position, recorded from now on (dataloader.py)
+            out.stateful[key] = track(obj, key, rank)
         elif _is_plain(obj):
             out.plain[key] = obj
         else:
