@@ -82,6 +82,12 @@ class CancelRequested:
 
 
 @dataclass(frozen=True)
+class PreemptRequested:
+    """A preemption (``cancel(checkpoint=True)``, SIGTERM to the caller): it wakes a back-off
+    wait, which then ends the call; a running attempt ignores it (its ranks save and stop)."""
+
+
+@dataclass(frozen=True)
 class DeadlineReached:
     timeout: float  # the call's timeout, which ran out
 
@@ -174,6 +180,7 @@ __all__ = [
     "IllegalTransition",
     "RankExited",
     "CancelRequested",
+    "PreemptRequested",
     "DeadlineReached",
     "HangDetected",
     "LaunchFailed",
