@@ -102,7 +102,9 @@ class LaunchFailed:
     exc: BaseException
 
 
-Event = RankExited | CancelRequested | DeadlineReached | HangDetected | LaunchFailed
+Event = (
+    RankExited | CancelRequested | PreemptRequested | DeadlineReached | HangDetected | LaunchFailed
+)
 
 
 # ---------------------------------------------------------------------------- outcome
