@@ -253,3 +253,44 @@ def killed_after_a_step(log: str) -> None:
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+def bug_at_the_first_step(log: str, steps: int, bug: bool) -> int:
+    """A Checkpointer-driven loop (1 rank); with ``bug``, a TypeError in the first step's body
+    on every attempt, before that step completes (issue 28 item 9)."""
+    import torch
+
+    import gangrun
+
+    _note_attempt(log)
+    state = {"w": torch.zeros(2)}
+    ckpt = gangrun.Checkpointer(state, every=1, async_save=False)
+    for _ in ckpt.steps(steps):
+        if bug:
+            _ = state["w"] + "1"  # a TypeError, at the same line on every attempt
+        state["w"] += 1
+    return ckpt.step
+
+
+def init_nccl(log: str) -> None:
+    """``init_process_group("nccl")`` on this CPU-only torch: it always fails the same way."""
+    import torch.distributed as dist
+
+    _note_attempt(log)
+    dist.init_process_group("nccl")
+
+
+def saves_then_killed(log: str) -> None:
+    """A Checkpointer saves steps 2 and 4 (synchronously), then the rank SIGKILLs itself in
+    step 4 (every attempt: each waits out a back-off before the next)."""
+    import torch
+
+    import gangrun
+
+    _note_attempt(log)
+    state = {"w": torch.zeros(2)}
+    ckpt = gangrun.Checkpointer(state, every=2, async_save=False)
+    for step in ckpt.steps(10):
+        state["w"] += 1
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -173,3 +173,119 @@ def test_an_interrupt_during_the_back_off_ends_the_call_promptly(tmp_path):
     assert sup.done() and isinstance(sup.outcome.error, DistributedCancelledError)
     assert "was interrupted while waiting to restart" in str(sup.outcome.error)
     assert [a for a, _ in _attempts(log)] == [0]
+
+
+# ---------------------------------------------------------------- with a checkpoint manager
+def test_a_bug_at_the_first_step_of_a_fresh_start_with_a_checkpointer_runs_once(tmp_path):
+    """A restore that found no checkpoint is not progress: the bug is not retried (it was
+    once, as the manager reported step 0); a restore that loaded one is progress."""
+    log, where = tmp_path / "attempts", str(tmp_path / "ckpt")
+    fn = gangrun.distributed(
+        processes=1, timeout=120, max_restarts=2, restart_backoff=0, checkpoint_dir=where
+    )(rel_funcs.bug_at_the_first_step)
+    with pytest.raises(DistributedError) as ei:
+        fn.distributed(str(log), 4, True)
+    assert [a for a, _ in _attempts(log)] == [0]
+    text = str(ei.value)
+    assert "TypeError" in text.splitlines()[0]
+    assert "1 attempt ran (max_restarts=2); restarts stopped: TypeError at " in text
+    assert "before any rank reported a step or a restore" in text
+    # the same bug after a restore that loaded step 2: retried once, then the same line stops
+    log.unlink()
+    assert fn.distributed(str(log), 2, False) == [2]
+    with pytest.raises(DistributedError) as ei:
+        fn.distributed(str(log), 4, True)
+    assert [a for a, _ in _attempts(log)] == [0, 0, 1]
+    assert "2 attempts ran (max_restarts=2); restarts stopped: the same TypeError at " in str(
+        ei.value
+    )
+
+
+def test_nccl_not_built_in_is_not_retried(tmp_path, capfd):
+    """This torch is CPU-only: init_process_group("nccl") fails the same way every time."""
+    import torch.distributed as dist
+
+    assert not dist.is_nccl_available()
+    log = tmp_path / "attempts"
+    fn = gangrun.distributed(processes=1, timeout=120, max_restarts=2, restart_backoff=0.1)(
+        rel_funcs.init_nccl
+    )
+    with pytest.raises(DistributedError) as ei:
+        fn.distributed(str(log))
+    assert [a for a, _ in _attempts(log)] == [0]  # not retried
+    text = str(ei.value)
+    assert "Distributed package doesn't have NCCL built in" in text.splitlines()[0]
+    assert "1 attempt ran (max_restarts=2); restarts stopped: RuntimeError at " in text
+    assert 'says "Distributed package doesn\'t have NCCL built in"' in text
+    assert "the process group's backend is not available in this torch or on this machine" in (text)
+    assert "Restarting" not in capfd.readouterr().err
+
+
+PREEMPTED_CALLER = """
+import sys, threading, time
+sys.path.insert(0, {here!r})
+import gangrun, rel_funcs
+from gangrun.lifecycle import calls
+
+fn = gangrun.distributed(
+    processes=1, timeout=120, max_restarts=3, restart_backoff=120, grace_period=20,
+    output="none", checkpoint_dir={where!r})(rel_funcs.saves_then_killed)
+h = fn.submit({log!r})
+open({idfile!r}, "w").write(h.mlflow_run_id)
+
+def back_off():
+    while not any(c.state.value == "restarting" for c in calls.active()):
+        time.sleep(0.05)
+    open({flag!r}, "w").close()
+
+threading.Thread(target=back_off, daemon=True).start()
+h.result()
+"""
+
+
+@pytest.mark.mlflow
+def test_sigterm_to_the_caller_during_the_back_off_is_a_preemption(tmp_path, script):
+    """No rank runs during the back-off: the call ends at once, preempted, with the last
+    complete checkpoint and the line that resumes it (not cancelled after grace_period)."""
+    import os
+    import signal
+
+    from mlflow import MlflowClient
+
+    from conftest import assert_no_survivors
+    from gangrun import checkpoint
+
+    where, flag, log = str(tmp_path / "ckpt"), tmp_path / "backoff", tmp_path / "attempts"
+    here = os.path.dirname(os.path.abspath(rel_funcs.__file__))
+    code = PREEMPTED_CALLER.format(
+        here=here, where=where, log=str(log), idfile=str(tmp_path / "id"), flag=str(flag)
+    )
+    proc = script(code)
+    deadline = time.monotonic() + 120
+    while not flag.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the call never reached its back-off"
+        time.sleep(0.05)
+    assert not run_processes(proc.pid)  # nothing runs during the back-off
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 1, err
+    assert took < 10, (took, err)  # at once, not after grace_period=20
+    last = checkpoint.latest(where)
+    assert last is not None and last.endswith("step-000000004")
+    run_id = (tmp_path / "id").read_text()
+    assert "DistributedPreemptedError: saves_then_killed was preempted while waiting to " in err
+    assert (
+        f"restart (restart 1); no rank was running: the last complete checkpoint is step 4, {last}."
+        in err
+    )
+    assert "The attempt before failed: Rank 0 " in err and "killed by SIGKILL" in err
+    assert (
+        f"Resume it with:\n    saves_then_killed.options(run_id={run_id!r}).distributed(...)" in err
+    )
+    assert "DistributedCancelledError" not in err and "did not checkpoint" not in err
+    assert [a for a, _ in _attempts(log)] == [0]
+    assert MlflowClient().get_run(run_id).info.status == "KILLED"
+    assert_no_survivors(proc.pid)

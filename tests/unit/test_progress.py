@@ -65,3 +65,27 @@ def test_garbled_file_reads_as_none(tmp_path):
     with open(RunDir(str(tmp_path)).progress(0), "w") as f:
         f.write("not a report")
     assert progress.read(str(tmp_path), 0) is None
+
+
+def test_a_fresh_start_is_shown_but_is_not_progress(tmp_path):
+    """The manager's restore that found no checkpoint (docs/restarts.md): step 0, no progress;
+    the first step reported is written at once, throttle or not, as progress."""
+    progress.bind(str(tmp_path), 0)
+    progress.report_fresh_start()
+    rep = progress.read(str(tmp_path), 0)
+    assert rep is not None and (rep.step, rep.resumed_from, rep.progressed) == (0, None, False)
+    progress.report_step(1)  # within MIN_INTERVAL_S of the last write
+    rep = progress.read(str(tmp_path), 0)
+    assert (rep.step, rep.progressed) == (1, True)
+
+
+def test_a_loaded_checkpoint_is_progress(tmp_path):
+    progress.bind(str(tmp_path), 0)
+    progress.report_resumed(40)
+    assert progress.read(str(tmp_path), 0).progressed
+
+
+def test_a_report_without_the_progress_field_counts_as_progress(tmp_path):
+    with open(RunDir(str(tmp_path)).progress(0), "w") as f:
+        f.write("3 -1 -1 3 1000.0 1001.0".ljust(95) + "\n")  # as tests/fakes.py writes it
+    assert progress.read(str(tmp_path), 0).progressed

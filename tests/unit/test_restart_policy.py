@@ -36,6 +36,9 @@ def judge(facts, previous=None, restarts=0, **kw):
         AttemptFacts(F, "ConnectionResetError", "reset", AT),
         AttemptFacts(F, "RuntimeError", "[..] Connection reset by peer", AT),
         AttemptFacts(F, "torch.distributed.DistBackendError", "NCCL error", AT),
+        AttemptFacts(F, "RuntimeError", "NCCL error in: x.cpp:1, unhandled system error", AT),
+        AttemptFacts(F, "RuntimeError", "NCCL communicator was aborted on rank 1.", AT),
+        AttemptFacts(F, "RuntimeError", "[Rank 0] NCCL watchdog thread terminated", AT),
         AttemptFacts(F, "RuntimeError", "Watchdog caught collective operation timeout", AT),
         AttemptFacts(F, "ray.ActorDiedError", "the node was lost", None),
         AttemptFacts(F, "TimeoutError", "store", AT),
@@ -215,3 +218,70 @@ def test_annotate_leaves_calls_without_restarts_alone():
     err = DistributedTimeoutError("x")
     annotate(err, [], 0)
     assert str(err) == "x"
+
+
+@pytest.mark.parametrize(
+    ("exc_type", "message"),
+    [
+        ("RuntimeError", "Distributed package doesn't have NCCL built in"),
+        ("ValueError", "ProcessGroupNCCL is only supported with GPUs, no GPUs found!"),
+        ("torch.distributed.DistBackendError", "ProcessGroupNCCL is only supported with GPUs"),
+        ("RuntimeError", "NCCL is not available"),
+    ],
+)
+def test_an_unavailable_nccl_stops_at_once_even_after_progress(exc_type, message):
+    facts = AttemptFacts(F, exc_type, message, AT, progressed=True)
+    v = judge(facts)
+    assert (v.decision, v.kind) == (Decision.STOP, "unavailable")
+    assert v.reason.startswith(f"{exc_type} at {AT} says ")
+    assert "backend is not available in this torch or on this machine" in v.reason
+    assert 'on CPUs use "gloo"' in v.reason
+
+
+def test_peer_echoes_are_one_list_with_the_transient_texts():
+    from gangrun.lifecycle import rootcause
+    from gangrun.lifecycle.policy import PEER_ECHO_TEXT, TRANSIENT_TEXT, is_transient_exception
+    from gangrun.records import RankFailure
+
+    assert set(PEER_ECHO_TEXT) <= set(TRANSIENT_TEXT)
+    echo = RankFailure(1, 1, None, "RuntimeError", "[..] Connection reset by peer", None, 0.0)
+    assert rootcause.is_peer_echo(echo)
+    assert is_transient_exception(echo.exc_type or "", echo.message)
+
+
+def test_a_preemption_while_the_attempt_fails_ends_it_preempted_not_restarted(
+    tmp_path, monkeypatch
+):
+    """Asked to save and stop, the ranks failed first (a rank killed): no restart, and no
+    wait for ``grace_period``; the call is preempted, from the last complete checkpoint."""
+    from gangrun import contract
+    from gangrun.errors import DistributedPreemptedError
+    from gangrun.lifecycle import supervisor as sv
+
+    where = str(tmp_path / "ckpt")  # no checkpoint was saved yet
+    monkeypatch.setattr(sv, "prepare", lambda sup: {contract.CHECKPOINT_DIR: where})
+    box: list = []
+    real_start = sv.Supervisor.start
+
+    def start(self):
+        box.append(self)
+        real_start(self)
+
+    def preempted_then_killed(g: FakeGang) -> None:
+        g.step(0, 4)
+        assert box[0].cancel("preempted", wait=0.0, checkpoint=True)
+        g.exit(1, -9)
+
+    monkeypatch.setattr(sv.Supervisor, "start", start)
+    t0 = time.monotonic()
+    sup = call(preempted_then_killed, max_restarts=3, restart_backoff=30.0, grace_period=30)
+    assert time.monotonic() - t0 < 10  # neither the back-off nor grace_period
+    err = sup.outcome.error
+    assert isinstance(err, DistributedPreemptedError) and sup.outcome.state is State.CANCELLED
+    assert sup.outcome.mlflow_status == "KILLED" and len(sup.gangs) == 1  # type: ignore[attr-defined]
+    assert (err.checkpoint, err.step, err.mlflow_run_id) == (None, None, None)
+    assert f"no checkpoint in {where} is complete: a resume starts at step 0" in str(err)
+    assert err.resume == f"fn.options(checkpoint_dir={where!r}).distributed(...)"
+    assert str(err).endswith(
+        f"Resume it with:\n    {err.resume}\n\n1 attempt ran (max_restarts=3)."
+    )

@@ -7,7 +7,9 @@ the ranks' step reports (`gangrun.rank.progress`), turns the root cause into
 the verdict onto the attempt (which observers see: the notice, the MLflow run's
 ``gangrun_attempts.json``, the panel). `Restarts.back_off` waits before a restart on the
 call's own event queue, so a cancel (``handle.cancel()``, a ``KeyboardInterrupt``, the
-caller's exit) ends the wait at once, and the call's deadline ends it too.
+caller's exit) ends the wait at once, and the call's deadline ends it too; so does a
+preemption (``cancel(checkpoint=True)``, SIGTERM to the caller), with the
+`DistributedPreemptedError` of the last complete checkpoint (no rank runs to save one).
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ class CallInfo(Protocol):
     def fn_name(self) -> str: ...
     @property
     def attempt(self) -> int: ...  # 0: the first attempt
+    @property
+    def mlflow_run_id(self) -> str | None: ...
+
+    ckpt_env: dict[str, str]  # the ranks' checkpoint environment (empty: no checkpoints)
 
 
 def facts_of(attempt: Attempt, reports: dict[int, progress.StepReport]) -> AttemptFacts:
     """The policy's view of an ended attempt: its root cause and whether any rank progressed."""
-    progressed = bool(reports)  # a report exists only once a rank reported a step or restore
+    # a reported step or a loaded checkpoint; a fresh start's report (nothing restored) is not
+    progressed = any(r.progressed for r in reports.values())
     err = attempt.error
     if attempt.state is not State.FAILED or not isinstance(err, DistributedError):
         return AttemptFacts(attempt.state, progressed=progressed)
@@ -111,12 +118,14 @@ class Restarts:
         self,
         seconds: float,
         events: queue.Queue[QueueItem] | None,
-        cancelled: Callable[[], str | None],
         started: float,
+        cancelled: Callable[[], str | None],
+        preempted: Callable[[], bool] = lambda: False,
     ) -> Attempt | None:
         """Wait ``seconds`` before the next restart, on the call's event queue (``started``:
         the call's start, ``time.monotonic()``: the wait counts within its timeout). Returns
-        ``None`` to go on, or the ended attempt (CANCELLED / TIMED_OUT) when a cancel or the
+        ``None`` to go on, or the ended attempt (CANCELLED / TIMED_OUT) when a cancel, a
+        preemption (``preempted()`` true: its `PreemptRequested` event wakes the wait) or the
         call's deadline came first."""
         number = self.call.attempt + 1
         timeout = self.timeout
@@ -127,6 +136,8 @@ class Restarts:
             reason = cancelled()
             if reason is not None:
                 return self._ended_waiting(State.CANCELLED, reason, number)
+            if preempted() and self.call.ckpt_env:
+                return self._ended_waiting(State.CANCELLED, "preempted", number, preempt=True)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return self._ended_waiting(State.TIMED_OUT, f"{timeout or 0:g}", number)
@@ -142,16 +153,26 @@ class Restarts:
                 continue
             if isinstance(item, CancelRequested):
                 return self._ended_waiting(State.CANCELLED, item.reason, number)
-            # anything else (a late rank exit of the ended attempt) is ignored
+            # a PreemptRequested: the loop's check ends the wait; anything else (a late rank
+            # exit of the ended attempt) is ignored
 
-    def _ended_waiting(self, state: State, what: str, number: int) -> Attempt:
+    def _ended_waiting(
+        self, state: State, what: str, number: int, preempt: bool = False
+    ) -> Attempt:
         name, where = self.call.fn_name, f"while waiting to restart (restart {number})"
         log.info("call %s: %s %s", self.call.run_id, state.value, where)
         prev = self._last_error
         after = (str(prev).strip().splitlines() or [""])[0] if prev is not None else ""
         after = f" The attempt before failed: {after}" if after else ""
-        if state is State.CANCELLED:
-            err: DistributedError = DistributedCancelledError(
+        if preempt:
+            from .checkpoints import preempted_waiting
+
+            call = self.call
+            err: DistributedError = preempted_waiting(
+                call.ckpt_env, name, call.run_id, call.mlflow_run_id, where, after
+            )
+        elif state is State.CANCELLED:
+            err = DistributedCancelledError(
                 f"{name} was {what} {where}; no rank was running.{after}",
                 run_id=self.call.run_id,
             )

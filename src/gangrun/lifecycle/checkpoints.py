@@ -8,6 +8,8 @@
   caller): ask the ranks to checkpoint and stop through the run directory; if they have not
   all stopped within ``grace_period`` the call is cancelled as usual.
 * `preempted_error`: what ranks that stopped after saving left, as the call's error.
+* `preempted_waiting`: a preemption while no rank runs (the back-off before a restart): the
+  call ends at once, to be resumed from the last complete checkpoint of its location.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -155,11 +158,7 @@ def preempted_error(
         return None
     first = records[min(records)]
     step, ckpt, mlflow_id = first.get("step"), first.get("checkpoint"), first.get("mlflow_run_id")
-    if mlflow_id:
-        line = f"{fn_name}.options(run_id={mlflow_id!r}).distributed(...)"
-    else:
-        root = str(ckpt).rsplit("/", 1)[0]
-        line = f"{fn_name}.options(checkpoint_dir={root!r}).distributed(...)"
+    line = resume_line(fn_name, mlflow_id, str(ckpt).rsplit("/", 1)[0])
     return DistributedPreemptedError(
         f"{fn_name} was preempted: every rank saved step {step} to {ckpt} and stopped. "
         f"Resume it with:\n    {line}",
@@ -169,6 +168,55 @@ def preempted_error(
         mlflow_run_id=mlflow_id,
         resume=line,
     )
+
+
+def resume_line(fn_name: str, mlflow_id: str | None, checkpoint_dir: str) -> str:
+    """The one line that resumes a preempted call: its MLflow run, else its location."""
+    if mlflow_id:
+        return f"{fn_name}.options(run_id={mlflow_id!r}).distributed(...)"
+    return f"{fn_name}.options(checkpoint_dir={checkpoint_dir!r}).distributed(...)"
+
+
+def preempted_waiting(
+    env: dict[str, str],
+    fn_name: str,
+    run_id: str,
+    mlflow_id: str | None,
+    where: str,
+    after: str = "",
+) -> DistributedPreemptedError:
+    """The call's error for a preemption while no rank runs (``where``: "while waiting to
+    restart (restart N)"; ``after``: a sentence on the failure before): nothing is left to
+    save; the last complete checkpoint of the call's location (``env``: the ranks' checkpoint
+    environment, `prepare`) is where a resume starts."""
+    from ..checkpoint import latest
+
+    url = env[contract.CHECKPOINT_DIR]
+    try:
+        ckpt, trouble = latest(url), ""
+    except Exception as exc:  # storage unreachable: still a preemption, said so
+        ckpt, trouble = None, f" (listing it failed: {type(exc).__name__}: {exc})"
+    step = _step_of(ckpt)
+    line = resume_line(fn_name, mlflow_id, url)
+    if ckpt is not None:
+        saved = f"the last complete checkpoint is step {step}, {ckpt}"
+    else:
+        saved = f"no checkpoint in {url} is complete{trouble}: a resume starts at step 0"
+    return DistributedPreemptedError(
+        f"{fn_name} was preempted {where}; no rank was running: {saved}.{after} Resume it "
+        f"with:\n    {line}",
+        run_id=run_id,
+        checkpoint=ckpt,
+        step=step,
+        mlflow_run_id=mlflow_id,
+        resume=line,
+    )
+
+
+def _step_of(ckpt: str | None) -> int | None:
+    """N of a checkpoint ``.../step-N`` (the manager's names, rank/checkpointer.py)."""
+    m = re.search(r"step-(\d+)/*$", ckpt or "")
+    return int(m.group(1)) if m else None
 
 
 _previous: Any = None
@@ -209,4 +257,12 @@ def install_sigterm() -> None:
     _sigterm_installed = True
 
 
-__all__ = ["prepare", "check_writable", "request_stop", "preempted_error", "install_sigterm"]
+__all__ = [
+    "prepare",
+    "check_writable",
+    "request_stop",
+    "preempted_error",
+    "preempted_waiting",
+    "resume_line",
+    "install_sigterm",
+]

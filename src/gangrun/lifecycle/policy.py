@@ -8,18 +8,21 @@ The rules (docs/restarts.md, "Restart rules"), in the order they are applied:
 3. A failure *worth retrying* restarts: a rank killed by a signal or ending with an exit
    status but no Python exception (the OOM killer, a segfault, ``os._exit``), a hang caught by
    the guard, a lost Ray node, a collective timeout or a connection reset (the exception is
-   a peer's echo or a network/timeout error: see `TRANSIENT_TYPES`,
-   `is_transient_exception`).
+   a peer's echo or a network/timeout error: see `TRANSIENT_TYPES`, `TRANSIENT_TEXT`,
+   `is_transient_exception`), unless its message says the backend is not available.
 4. The rest is a Python exception raised by the root-cause rank. It is *certain to repeat*,
    and stops the restarts at once, when
 
-   a. the same exception type was raised from the same innermost frame of user code
+   a. its message says the process group's backend is not available here
+      (`UNAVAILABLE_TEXT`: a torch without NCCL, NCCL on a machine without GPUs), or
+   b. the same exception type was raised from the same innermost frame of user code
       (file, line, function; `gangrun.records.user_frame`) on the previous attempt, or
-   b. it is not ``SystemExit`` and the attempt made no progress: no rank reported a step
-      (``gangrun.report_step``) or a completed restore (the checkpoint manager's
-      ``progress.report_resumed``) before it failed (an ``ImportError``, a ``TypeError`` in
-      the setup, a missing file), or
-   c. the function returned a value that cannot be passed back
+   c. it is not ``SystemExit`` and the attempt made no progress: no rank reported a step
+      (``gangrun.report_step``) or a restore that loaded a checkpoint (the checkpoint
+      manager's ``progress.report_resumed``; a restore that found none is not progress)
+      before it failed (an ``ImportError``, a ``TypeError`` in the setup, a missing file),
+      or
+   d. the function returned a value that cannot be passed back
       (``ResultSerializationError``): the next attempt would return the same.
 
    Any other exception restarts (the first time it is raised at that line).
@@ -65,23 +68,68 @@ TRANSIENT_TYPES = frozenset(
         "timeout",  # socket.timeout
     }
 )
-_TRANSIENT_TEXT = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|"
-    r"remote process exited|NCCL|Watchdog caught collective|collective operation timeout|"
-    r"ProcessGroupGloo.*(?:Timed out|closed)|DistNetworkError|DistStoreError|"
-    r"recvValue failed|Socket Timeout|Connection refused|uncorrectable ECC error",
-    re.IGNORECASE,
+# Messages that say a peer went away. `gangrun.lifecycle.rootcause` ranks a failure with one
+# behind every other failure (it is the echo of a peer's death); like every text below, retried.
+PEER_ECHO_TEXT = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crash",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "ProcessGroupGloo.*(?:Timed out|closed)",
+    "DistNetworkError",
+    "DistStoreError",
+    "recvValue failed",
+    "Socket Timeout",
+    "Connection refused",
 )
+# Messages that say the network, a collective or the hardware failed: worth retrying.
+TRANSIENT_TEXT = (
+    *PEER_ECHO_TEXT,
+    "NCCL",  # an NCCL error or timeout (not one of UNAVAILABLE_TEXT: checked first)
+    "Watchdog caught collective",
+    "collective operation timeout",
+    "uncorrectable ECC error",
+)
+# Messages that say the process group's backend cannot be used at all, in this torch or on
+# this machine (``init_process_group("nccl")`` on a CPU-only torch or a node without GPUs):
+# certain to repeat, whatever the exception type, after progress or not.
+UNAVAILABLE_TEXT = (
+    r"Distributed package doesn't have \w+ built in",
+    "ProcessGroupNCCL is only supported with GPUs",
+    "NCCL (?:backend )?is not available",
+    "NCCL support is not compiled",
+)
+
+
+def any_of(texts: tuple[str, ...]) -> re.Pattern[str]:
+    """One case-insensitive pattern matching any of ``texts`` (regular expressions)."""
+    return re.compile("|".join(texts), re.IGNORECASE)
+
+
+_TRANSIENT = any_of(TRANSIENT_TEXT)
+_UNAVAILABLE = any_of(UNAVAILABLE_TEXT)
 NEVER_REPEATS = frozenset({"ResultSerializationError"})
 
 
+def unavailable_backend(exc_type: str, message: str) -> str | None:
+    """The words of the exception that say the distributed backend cannot be used here (an
+    NCCL-less torch, no GPUs), or None."""
+    m = _UNAVAILABLE.search(f"{exc_type}: {message}")
+    return m.group(0) if m else None
+
+
 def is_transient_exception(exc_type: str, message: str) -> bool:
-    """The exception says a peer, the network or the hardware failed (worth retrying)."""
+    """The exception says a peer, the network or the hardware failed (worth retrying); never
+    one that says the backend is not available (`unavailable_backend`)."""
+    if unavailable_backend(exc_type, message) is not None:
+        return False
     if exc_type.startswith("ray."):  # a lost actor or node (gangrun.launch.ray)
         return True
     if exc_type.rpartition(".")[2] in TRANSIENT_TYPES:
         return True
-    return bool(_TRANSIENT_TEXT.search(f"{exc_type}: {message}"))
+    return bool(_TRANSIENT.search(f"{exc_type}: {message}"))
 
 
 @dataclass(frozen=True)
@@ -113,7 +161,7 @@ class Verdict:
     notice and the log; ``kind`` a stable word for tags and tests)."""
 
     decision: Decision
-    kind: str  # restart | not_retryable | exhausted | repeated | no_progress | result
+    kind: str  # restart | not_retryable | exhausted | unavailable | repeated | no_progress | result
     reason: str
     backoff: float = 0.0  # seconds to wait before the restart
 
@@ -154,6 +202,15 @@ class RestartPolicy:
         if not facts.transient:
             assert facts.exc_type is not None
             name = facts.exc_type.rpartition(".")[2]
+            said = unavailable_backend(facts.exc_type, facts.message)
+            if said is not None:
+                return Verdict(
+                    stop,
+                    "unavailable",
+                    f"{facts.where} says {said!r}: the process group's backend is not "
+                    "available in this torch or on this machine, so every attempt would fail "
+                    'the same way (NCCL needs a CUDA build of torch and GPUs; on CPUs use "gloo")',
+                )
             if name in NEVER_REPEATS:
                 return Verdict(
                     stop,
@@ -197,8 +254,13 @@ __all__ = [
     "AttemptFacts",
     "Decision",
     "RestartPolicy",
+    "PEER_ECHO_TEXT",
     "RETRYABLE",
+    "TRANSIENT_TEXT",
     "TRANSIENT_TYPES",
+    "UNAVAILABLE_TEXT",
     "Verdict",
+    "any_of",
     "is_transient_exception",
+    "unavailable_backend",
 ]

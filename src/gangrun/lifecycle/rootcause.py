@@ -23,23 +23,17 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import re
 import signal
 from dataclasses import dataclass
 
 from ..errors import DistributedError, signal_name
 from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
+from .policy import PEER_ECHO_TEXT, any_of
 
 log = logging.getLogger("gangrun.lifecycle.rootcause")
 
-_PEER_ECHO = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
-    r"remote worker crash|remote process exited|NCCL communicator was aborted|"
-    r"ProcessGroupGloo.*(?:Timed out|closed)|DistNetworkError|DistStoreError|"
-    r"recvValue failed|Socket Timeout|Connection refused",
-    re.IGNORECASE,
-)
+_PEER_ECHO = any_of(PEER_ECHO_TEXT)  # one list with the restart policy's transient texts
 
 
 def rank_failure(

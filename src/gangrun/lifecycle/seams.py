@@ -10,7 +10,7 @@ from typing import IO, TYPE_CHECKING, Any, Union
 from ..launch import ExitSink, Gang, GangSpec, RankExit, RayPlacement
 from ..options import Options
 from .plan import Plan, plan_local
-from .state import CancelRequested
+from .state import CancelRequested, PreemptRequested
 
 if TYPE_CHECKING:
     from ..output import OutputPump
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..tracking.plan import TrackingInfo
 
 # What the call's event queue carries: rank exits from the gang, the lifecycle's own events.
-QueueItem = Union[RankExit, CancelRequested]
+QueueItem = Union[RankExit, CancelRequested, PreemptRequested]
 GangFactory = Callable[[GangSpec, "OutputPump", ExitSink], Gang]
 PumpFactory = Callable[..., "OutputPump"]
 Planner = Callable[[Callable[..., Any], Options], tuple[Plan, RayPlacement | None]]

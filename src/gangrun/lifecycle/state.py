@@ -82,6 +82,12 @@ class CancelRequested:
 
 
 @dataclass(frozen=True)
+class PreemptRequested:
+    """A preemption (``cancel(checkpoint=True)``, SIGTERM to the caller): it wakes a back-off
+    wait, which then ends the call; a running attempt ignores it (its ranks save and stop)."""
+
+
+@dataclass(frozen=True)
 class DeadlineReached:
     timeout: float  # the call's timeout, which ran out
 
@@ -96,7 +102,9 @@ class LaunchFailed:
     exc: BaseException
 
 
-Event = RankExited | CancelRequested | DeadlineReached | HangDetected | LaunchFailed
+Event = (
+    RankExited | CancelRequested | PreemptRequested | DeadlineReached | HangDetected | LaunchFailed
+)
 
 
 # ---------------------------------------------------------------------------- outcome
@@ -174,6 +182,7 @@ __all__ = [
     "IllegalTransition",
     "RankExited",
     "CancelRequested",
+    "PreemptRequested",
     "DeadlineReached",
     "HangDetected",
     "LaunchFailed",

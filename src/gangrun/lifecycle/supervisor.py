@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from .. import serialization
@@ -51,6 +52,7 @@ from .state import (
     HangDetected,
     LaunchFailed,
     Outcome,
+    PreemptRequested,
     RankExited,
     State,
     StateMachine,
@@ -111,6 +113,7 @@ class Supervisor:
         self._reservation: Reservation | None = None
         self._events: queue.Queue[QueueItem] | None = None
         self._cancel_reason: str | None = None
+        self._preempt = threading.Event()  # a preemption was asked for (cancel(checkpoint=True))
         self.ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
         self._lock = threading.Lock()
         self._done = DoneEvent()  # hooks: the handle's future state, its callbacks
@@ -171,9 +174,8 @@ class Supervisor:
         return self._thread is not None
 
     def log_files(self) -> dict[int, str]:
-        if self.rundir is None:
-            return {}
-        return {r: self.rundir.log(r) for r in range(self.world_size)}
+        rd = self.rundir
+        return {} if rd is None else {r: rd.log(r) for r in range(self.world_size)}
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -208,6 +210,9 @@ class Supervisor:
         if self._done.is_set():
             return False
         if checkpoint and self.ckpt_env:  # a preemption: lifecycle/checkpoints.py
+            self._preempt.set()  # before the stop request is written (see _monitor)
+            if self._events is not None:  # it ends a back-off; a running attempt's ranks save
+                self._events.put(PreemptRequested())
             return request_stop(self, wait)
         with self._lock:
             if self._cancel_reason is None:
@@ -223,8 +228,7 @@ class Supervisor:
         if os.getpid() != self.owner_pid:
             return  # a forked child: the directory is the parent's
         with self._lock:
-            self._released = True
-            done = self._done.is_set()
+            self._released, done = True, self._done.is_set()
         if done:
             self.remove_dir()
 
@@ -335,12 +339,13 @@ class Supervisor:
                 verdict = self._restarts.after(attempt, self.rundir.path, self.world_size)
                 if verdict.decision is Decision.RESTART and self._cancel_reason is None:
                     self._machine.to(State.RESTARTING)
+                    self.rundir.clear_attempt()  # first: a later stop request is for the next ranks
+                    asked = (lambda: self._cancel_reason), self._preempt.is_set
                     waited = self._restarts.back_off(
-                        verdict.backoff, self._events, lambda: self._cancel_reason, self._started
+                        verdict.backoff, self._events, self._started, *asked
                     )
                     if waited is None:
                         self._attempt += 1
-                        self.rundir.clear_attempt()
                         self._launch_attempt()
                         continue
                     attempt = waited  # cancelled or out of time while waiting to restart
@@ -391,6 +396,8 @@ class Supervisor:
                         ending = HangDetected(stalled)
                         break
                     continue
+                if isinstance(ev, PreemptRequested):
+                    continue  # the ranks save and stop (rank/stop.py); for a back-off only
                 if not isinstance(ev, RankExited):
                     ending = ev
                     break
@@ -454,7 +461,7 @@ class Supervisor:
         ]
         if self.rundir is not None:
             rd = self.rundir
-            steps += [("remove the payload", lambda: _unlink(rd.payload))]
+            steps += [("remove the payload", lambda: Path(rd.payload).unlink(missing_ok=True))]
             steps += [("clear the attempt files", rd.clear_attempt)]
         try:
             for what, step in steps:
@@ -488,13 +495,6 @@ class Supervisor:
 
     def _notify(self, state: State, outcome: Outcome) -> None:
         self._observers.on_transition(state, self)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # never written (the start failed before the payload)
 
 
 __all__ = ["Supervisor", "GangFactory", "Planner", "default_planner"]

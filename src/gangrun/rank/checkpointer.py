@@ -173,7 +173,7 @@ class Checkpointer:
         self._restored = True
         if found is None:
             self.step = 0
-            progress.report_step(0)
+            progress.report_fresh_start()  # not progress (docs/restarts.md)
             return 0
         for key, engine in e.engines.items():
             path, _ = engine.load_checkpoint(

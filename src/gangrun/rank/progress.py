@@ -6,8 +6,12 @@ Rank side::
         ...
         gangrun.report_step(step, total)     # progress, ETA, slow ranks; counts for the hang guard
 
-The checkpoint manager calls `report_resumed` after a restore, so the caller knows an
-attempt made progress and from which step it resumed.
+The checkpoint manager calls `report_resumed` after a restore that loaded a checkpoint, so
+the caller knows an attempt made progress and from which step it resumed, and
+`report_fresh_start` after one that found none (the rank is at step 0: shown, but not
+progress; the restart rules, docs/restarts.md, retry an exception only after progress).
+Each report says whether the rank has made progress in this attempt (`StepReport.progressed`:
+a reported step or a loaded checkpoint).
 
 Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directory
 (`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
@@ -37,9 +41,10 @@ _first: tuple[int, float] | None = None  # (step, wall time) of this process's f
 _resumed = -1
 _total = -1
 _step = -1
+_progressed = False  # a step reported, or a checkpoint loaded, in this attempt
 _disabled = False
 _bound: tuple[str, int, int] | None = None
-_written: tuple[int, int, int] = (-1, -1, -1)  # (step, total, resumed) last written
+_written: tuple[int, int, int, bool] = (-1, -1, -1, False)  # (step, total, resumed, progressed)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class StepReport:
     first_step: int  # first reported step of this attempt, and when (wall clock)
     first_time: float
     time: float  # wall clock of the last write
+    progressed: bool = True  # a step reported or a checkpoint loaded (not a fresh start alone)
 
     @property
     def rate(self) -> float | None:
@@ -67,14 +73,16 @@ def bind(run_dir: str, rank: int) -> None:
     """In a rank (called by `gangrun.rank.worker` at start): reports go to this run
     directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
     global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step, _written
+    global _progressed
     _bound = (run_dir, int(rank), os.getpid())
-    _written = (-1, -1, -1)
+    _written = (-1, -1, -1, False)
     _fd = None
     _pid = 0
     _disabled = False
     _first = None
     _last_write = 0.0
     _resumed = _total = _step = -1
+    _progressed = False
 
 
 def _open() -> int | None:
@@ -102,7 +110,7 @@ def _open() -> int | None:
 def _write(fd: int, now: float) -> None:
     global _last_write, _fd, _disabled, _written
     assert _first is not None
-    line = f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f}"
+    line = f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f} {int(_progressed)}"
     try:
         os.pwrite(fd, line.ljust(_SIZE - 1).encode() + b"\n", 0)
     except OSError:  # run directory gone or disk full: reports are best effort
@@ -111,13 +119,13 @@ def _write(fd: int, now: float) -> None:
         _disabled = True
         return
     _last_write = time.monotonic()
-    _written = (_step, _total, _resumed)
+    _written = (_step, _total, _resumed, _progressed)
 
 
 def report_step(step: int, total: int | None = None) -> None:
     """Report that this rank is at ``step`` (of ``total`` when known). Cheap: call it every
-    step. A no-op outside a gangrun rank."""
-    global _first, _total, _step
+    step. A no-op outside a gangrun rank. A reported step is progress (docs/restarts.md)."""
+    global _first, _total, _step, _progressed
     fd = _open()
     if fd is None:
         return
@@ -125,9 +133,14 @@ def report_step(step: int, total: int | None = None) -> None:
     new_total = -1 if total is None else int(total)
     _step = step
     now = time.time()
+    first_progress, _progressed = not _progressed, True
     if _first is None:
         _first = (step, now)
-    elif new_total == _total and time.monotonic() - _last_write < MIN_INTERVAL_S:
+    elif (
+        not first_progress
+        and new_total == _total
+        and time.monotonic() - _last_write < MIN_INTERVAL_S
+    ):
         return
     _total = new_total
     _write(fd, now)
@@ -139,18 +152,33 @@ def flush() -> None:
     fd = _fd
     if fd is None or _first is None or _pid != os.getpid():
         return
-    if _written != (_step, _total, _resumed):
+    if _written != (_step, _total, _resumed, _progressed):
         _write(fd, time.time())
+
+
+def report_fresh_start() -> None:
+    """Record that this attempt starts at step 0 with nothing restored (the checkpoint manager
+    calls it after a restore that found no checkpoint). Not progress: an exception raised
+    before a step is reported is not retried (docs/restarts.md)."""
+    global _first, _step
+    fd = _open()
+    if fd is None or _first is not None:
+        return  # something was reported already: keep it
+    _step = 0
+    _first = (0, time.time())
+    _write(fd, _first[1])
 
 
 def report_resumed(step: int) -> None:
     """Record that this attempt resumed from a checkpoint at ``step`` (the checkpoint manager
-    calls it after a restore; the next step reported is usually ``step``)."""
-    global _resumed, _first, _step
+    calls it after a restore that loaded one; the next step reported is usually ``step``).
+    Progress, as a reported step is."""
+    global _resumed, _first, _step, _progressed
     fd = _open()
     if fd is None:
         return
     _resumed = int(step)
+    _progressed = True
     now = time.time()
     if _first is None or _step < 0:
         _step = int(step)
@@ -163,7 +191,9 @@ def read(run_dir: str, rank: int) -> StepReport | None:
     try:
         with open(RunDir(run_dir).progress(rank), "rb") as f:
             raw = f.read(_SIZE)
-        step, total, resumed, first_step, first_time, t = raw.decode().split()
+        step, total, resumed, first_step, first_time, t, *more = raw.decode().split()
+        if len(more) > 1:
+            return None
         return StepReport(
             rank=rank,
             step=int(step),
@@ -172,6 +202,7 @@ def read(run_dir: str, rank: int) -> StepReport | None:
             first_step=int(first_step),
             first_time=float(first_time),
             time=float(t),
+            progressed=more != ["0"],
         )
     except (OSError, ValueError, UnicodeDecodeError):
         return None
@@ -191,6 +222,7 @@ __all__ = [
     "StepReport",
     "report_step",
     "report_resumed",
+    "report_fresh_start",
     "flush",
     "read",
     "read_all",
