@@ -13,10 +13,14 @@ under the temp directory. Per repetition, on each rank (the slower rank counts):
 * ``dcp_sync``: the same save, synchronous (``async_save=False``): DCP write + fsync + commit;
 * ``torch_save``: ``torch.save`` of the same local shards into one file per rank, with an
   ``fsync`` (durable, as a checkpoint must be), and without;
+* ``copy``: the floor of a non-blocking save: copying the rank's local shards into CPU
+  buffers allocated beforehand (``Tensor.copy_``), which any async checkpointer must do
+  before the step may change the parameters; target: the async block <= 2x this copy;
 * ``restore``: ``Checkpointer.restore()`` of the newest checkpoint into the model, against
   ``torch.load`` of the torch.save file.
 
-Ratios: blocked-by-async / dcp_sync and / torch_save, restore / torch.load.
+Ratios: blocked-by-async / the preallocated copy, / dcp_sync and / torch_save,
+restore / torch.load.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def ranks(gib: float, reps: int, where: str) -> dict:
         for p in model.parameters():
             p.normal_()
     local = sum(p.to_local().numel() * 4 for p in model.parameters())
-    out: dict[str, list[float]] = {k: [] for k in ("blocked", "committed", "sync", "ts", "tsn")}
+    keys = ("blocked", "committed", "sync", "ts", "tsn", "copy")
+    out: dict[str, list[float]] = {k: [] for k in keys}
     out.update({"restore": [], "load": []})
 
     def sync_all() -> None:
@@ -62,7 +67,13 @@ def ranks(gib: float, reps: int, where: str) -> dict:
     ck.restore()
     ck2 = gangrun.Checkpointer({"model": model}, dir=root, keep=None, async_save=False)
     ck2._setup()
+    bufs = [torch.empty_like(p.to_local()) for p in model.parameters()]  # allocated beforehand
     for rep in range(reps):
+        sync_all()
+        t = time.perf_counter()
+        for b, p in zip(bufs, model.parameters(), strict=True):
+            b.copy_(p.to_local())
+        out["copy"].append(time.perf_counter() - t)
         sync_all()
         ck.step = 2 * rep
         t = time.perf_counter()
@@ -119,7 +130,7 @@ def run(reps: int) -> dict:
     # per repetition, the slower rank
     worst = {
         k: [max(r[k][i] for r in per_rank) for i in range(reps)]
-        for k in ("blocked", "committed", "sync", "ts", "tsn", "restore", "load")
+        for k in ("blocked", "committed", "sync", "ts", "tsn", "copy", "restore", "load")
     }
     series = {
         "async_blocked": worst["blocked"],
@@ -127,6 +138,7 @@ def run(reps: int) -> dict:
         "dcp_sync_save": worst["sync"],
         "torch_save_fsync": worst["ts"],
         "torch_save": worst["tsn"],
+        "prealloc_copy": worst["copy"],
         "restore": worst["restore"],
         "torch_load": worst["load"],
     }
@@ -134,6 +146,7 @@ def run(reps: int) -> dict:
         "checkpoint",
         series,
         {
+            "async_blocked_vs_prealloc_copy": ("async_blocked", "prealloc_copy"),
             "async_blocked_vs_dcp_sync": ("async_blocked", "dcp_sync_save"),
             "async_blocked_vs_torch_save_fsync": ("async_blocked", "torch_save_fsync"),
             "async_blocked_vs_torch_save": ("async_blocked", "torch_save"),
