@@ -92,7 +92,7 @@ def test_table_workers_start_once_and_follow_every_epoch(root, forks):
     assert len({json.dumps(g) for g in got}) == 3
     for g in got:
         assert sorted(_flat(g)) == list(range(tw.PARQUET_ROWS))
-    pool = ds._pool
+    pool = ds.pool
     assert pool is not None and pool.busy  # lent to the live workers
     del loader, batches, g, got
     gc.collect()

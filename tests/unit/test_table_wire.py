@@ -50,8 +50,8 @@ def test_batches_travel_in_pool_blocks_kept_across_epochs(root):
         assert sorted(ids) == list(range(tw.PARQUET_ROWS))
         assert pooled == n  # every batch dropped before the next: blocks are always free
         del batch  # the last one lives in a block until dropped
-        assert ds._pool is not None and not ds._pool.held and not ds._pool.busy
-        pools.append(ds._pool)
+        assert ds.pool is not None and not ds.pool.held and not ds.pool.busy
+        pools.append(ds.pool)
     assert pools[0] is pools[1]  # made once, kept by the dataset
 
 
@@ -65,9 +65,9 @@ def test_held_batches_are_never_overwritten(root):
     for b in batches:
         _check(b)
     assert sorted(i for b in batches for i in b["id"].tolist()) == list(range(tw.PARQUET_ROWS))
-    assert ds._pool is not None and ds._pool.held
+    assert ds.pool is not None and ds.pool.held
     del b, batches
-    assert not ds._pool.held  # the last view gone: the blocks are free again
+    assert not ds.pool.held  # the last view gone: the blocks are free again
 
 
 def test_a_pass_left_midway_frees_its_blocks(root):
@@ -90,7 +90,7 @@ def test_two_passes_at_once_do_not_share_blocks(root):
     head = next(first)
     assert _pooled(ds, head)
     other = TableDataset(root, batch_size=100)
-    other._pool = ds._pool  # the same blocks, lent to the first pass
+    other.pool = ds.pool  # the same blocks, lent to the first pass
     second = list(other.loader(num_workers=2))
     assert not any(_pooled(other, b) for b in second)  # the second pass used the fallbacks
     ids = [i for b in second for i in b["id"].tolist()]
@@ -107,7 +107,7 @@ def test_a_pickled_pool_is_none_and_workers_fall_back(root):
     assert pickle.loads(pickle.dumps(BlockPool(1, 1, 4096))) is None
     ds = TableDataset(root, batch_size=100)
     ds2 = pickle.loads(pickle.dumps(ds))
-    assert ds2._pool is None and ds2._pool_active is None
+    assert ds2.pool is None and ds2.pool_active is None
 
 
 def test_direct_row_group_reads_equal_dataset_reads(root):
@@ -150,7 +150,7 @@ def test_arrow_batches_travel_as_ipc_streams_in_pool_blocks(root):
     assert sorted(ids) == list(range(tw.PARQUET_ROWS))
     assert pooled == n
     del batch
-    assert not ds._pool.held
+    assert not ds.pool.held
 
 
 def test_an_arrow_chunk_bigger_than_a_block_travels_pickled(root):

@@ -85,6 +85,10 @@ class ResumableEpochs:
             for item, _ in items:
                 yield item
 
+    def position(self) -> dict[str, Any] | None:
+        """The position record of the pass under way (or the last one), as it is now."""
+        return self._live
+
     @property
     def epoch(self) -> int:
         return self._epoch

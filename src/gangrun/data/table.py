@@ -158,8 +158,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
         self._epoch = 0
         self._resume: dict[str, Any] | None = None
         self._live: dict[str, Any] | None = None
-        self._pool: BlockPool | None = None  # TableLoader's shared memory blocks (kept)
-        self._pool_active: BlockPool | None = None  # lent to the pass whose workers run now
+        self.pool: BlockPool | None = None  # TableLoader's shared memory blocks (kept)
+        self.pool_active: BlockPool | None = None  # lent to the pass whose workers run now
 
     # -- the split -----------------------------------------------------------------------------
 
@@ -222,7 +222,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
         info = get_worker_info()
         in_worker = info is not None
         wire = wire and in_worker
-        pool = self._pool_active if wire else None
+        pool = self.pool_active if wire else None
         wid = info.id if info is not None else 0
         if pool is not None:
             pool.reclaim(wid)  # a persistent worker: its last pass's undelivered chunks
@@ -296,6 +296,10 @@ class TableDataset(ResumableEpochs, IterableDataset):
         if track:
             self.start_progress(1, start if wstart else None)
         yield from self._deliver(self._batches(wpos, wrows, wstart, wire), wid, tagged, track)
+
+    def iter_wire(self, start: dict[str, Any] | None) -> Iterator[Any]:
+        """What `TableLoader`'s workers iterate: ``(WireChunk, (worker, progress))`` items."""
+        return self._iterate(start, tagged=True, wire=True)
 
     # -- resumable state (the protocol of VolumeDataset) ---------------------------------------
     #

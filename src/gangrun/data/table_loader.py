@@ -43,7 +43,7 @@ class _WireView:
         self.ds.start_progress(num_workers, start)
 
     def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]:
-        return self.ds._iterate(start, tagged=True, wire=True)
+        return self.ds.iter_wire(start)
 
     def record_progress(self, worker: int, progress: Any) -> None:
         self.ds.record_progress(worker, progress)
@@ -84,12 +84,12 @@ class TableLoader(VolumeLoader):
         holds them, or no shared memory: the workers use the fallbacks)."""
         ds = self.table
         nw, per = int(self.num_workers), int(self.prefetch_factor or 2) + 2
-        pool = ds._pool
+        pool = ds.pool
         if pool is None or pool.workers < nw or pool.per_worker < per:
             if pool is not None and pool.busy:
                 return None
             try:
-                pool = ds._pool = BlockPool(nw, per)
+                pool = ds.pool = BlockPool(nw, per)
             except (RuntimeError, OSError):
                 return None
         return pool if pool.lend() else None
@@ -114,11 +114,11 @@ class TableLoader(VolumeLoader):
 
     def _start_pass(self, pool: BlockPool | None) -> Any:
         """The DataLoader's iterator of this pass (workers forked now inherit ``pool``)."""
-        self.table._pool_active = pool
+        self.table.pool_active = pool
         try:
             it = DataLoader.__iter__(self)
         finally:
-            self.table._pool_active = None
+            self.table.pool_active = None
         if pool is not None and self._channel is not None and not self._started:
             pool.keep_for(it)  # lent while these persistent workers live
         self._started = True
@@ -152,7 +152,7 @@ class TableLoader(VolumeLoader):
 
         ds = self.table
         nw = int(self.num_workers)
-        live = ds._live or {}
+        live = ds.position() or {}
         layout = ds.layout()
         done = [(w or [0])[0] for w in live.get("workers") or [None] * nw]
         left = [plan.worker_batches(layout, w, nw) - int(done[w]) for w in range(nw)]
