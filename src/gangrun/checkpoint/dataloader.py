@@ -14,6 +14,12 @@ and how many batches the pass had handed out. `track` makes a loader record both
   for them); an ``IterableDataset`` has no indexes, so its first batches are read and dropped;
 * `LoaderState` is the ``Stateful`` the manager saves in the loader's place.
 
+A loader whose sampler (or ``batch_sampler.sampler``) is a `gangrun.data.DistributedSampler`
+is resumed by its global position instead (the sampler's order is one global order, split
+strided over the ranks): the pass's global start plus ``world * batches handed * batch_size``
+(the samples handed for ``batch_size=None``) is saved with the world size, and the resumed
+pass of that epoch starts there, on the same or another number of ranks.
+
 A sampler that shuffles with torch's global generator (``shuffle=True`` without
 ``generator=``) cannot be resumed exactly (its permutation was drawn from a global stream the
 manager restores to where it was at the save, not at the pass's start): `track` refuses it,
@@ -114,6 +120,27 @@ def _iter(self: Any) -> Iterator[Any]:
     p.active = False
 
 
+def global_sampler(loader: Any) -> Any:
+    """The loader's `gangrun.data.DistributedSampler`, if it has one."""
+    import sys
+
+    mod = sys.modules.get("gangrun.data.sampler")
+    if mod is None:  # never imported: no loader can have one
+        return None
+    for s in _samplers(loader):
+        if isinstance(s, mod.DistributedSampler):
+            return s
+    return None
+
+
+def _consumed(loader: Any, handed: int) -> int:
+    """Samples of its pass a rank consumed after ``handed`` batches."""
+    if loader.batch_size is not None:
+        return handed * int(loader.batch_size)
+    bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return handed * int(bs) if bs is not None else handed
+
+
 class LoaderState:
     """What a `gangrun.Checkpointer` saves of a plain DataLoader (see the module docstring)."""
 
@@ -123,15 +150,30 @@ class LoaderState:
     def state_dict(self) -> dict[str, Any]:
         p: _Pass = self.loader._gangrun_pass
         gen = generator(self.loader)
+        sampler = global_sampler(self.loader)
+        extra: dict[str, Any] = {}
+        if sampler is not None:  # the global position (see the module docstring)
+            if p.active:
+                extra["sampler"] = sampler.position(_consumed(self.loader, p.handed))
+            else:  # no pass under way: the next one starts its epoch
+                extra["sampler"] = {**sampler.position(0), "epoch": sampler.epoch, "position": 0}
         if p.active:
-            return {"active": True, "generator": p.start_state, "handed": p.handed}
-        return {"active": False, "generator": gen.get_state() if gen is not None else None}
+            return {"active": True, "generator": p.start_state, "handed": p.handed, **extra}
+        gstate = gen.get_state() if gen is not None else None
+        return {"active": False, "generator": gstate, **extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         p: _Pass = self.loader._gangrun_pass
         gen = generator(self.loader)
         saved = state.get("generator")
-        if state.get("active"):
+        sampler = global_sampler(self.loader)
+        if sampler is not None and "sampler" in state:
+            # the global position: the resumed pass of its epoch starts there, no skipping
+            p.restore, p.skip = None, 0
+            sampler.load_state_dict(state["sampler"])
+            if gen is not None and saved is not None:
+                gen.set_state(saved)
+        elif state.get("active"):
             p.restore, p.skip = saved, int(state.get("handed") or 0)
         else:
             p.restore, p.skip = None, 0
@@ -181,4 +223,4 @@ def is_plain_loader(obj: Any) -> bool:
     return not callable(getattr(obj, "state_dict", None))
 
 
-__all__ = ["LoaderState", "generator", "is_plain_loader", "track"]
+__all__ = ["LoaderState", "generator", "global_sampler", "is_plain_loader", "track"]

@@ -14,6 +14,18 @@
   together with the rank's Python, NumPy and torch (CPU and CUDA) random number generators.
 
 Anything else is refused, naming the key and the rank (`classify`).
+
+**Another world size.** Each blob records the world size that saved it. A checkpoint saved by
+N ranks restores on M (`saved_world`, `reshard_check`): models and optimizers through DCP,
+which reshards (each rank reads the parts of the saved tensors its new layout holds); the
+per-rank blob by the rule *new rank r takes old rank r mod N's blob*. Every new rank thus gets
+a real, consistent state (not a default): the step and pending metrics (the same in every
+blob), plain values, stateful entries, RNG states. A `gangrun.data.DistributedSampler`'s
+position is global, so it is the same in every blob and the data continues exactly; the RNG
+streams of new ranks >= N repeat those of rank r mod N (fewer ranks: ranks >= M's streams are
+dropped). A `VolumeDataset`/`TableDataset` loader position made on N ranks restarts its epoch
+on M, with a warning. A DeepSpeed engine's ZeRO checkpoint is partitioned per rank: it is
+refused before anything is loaded, naming DeepSpeed's universal checkpoint conversion.
 """
 
 from __future__ import annotations
@@ -166,6 +178,12 @@ def from_bytes(raw: bytes) -> Any:
     return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
 
 
+def _world() -> int:
+    dist = sys.modules.get("torch.distributed")
+    ready = dist is not None and dist.is_available() and dist.is_initialized()
+    return int(dist.get_world_size()) if ready else 1  # type: ignore[union-attr]
+
+
 def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
     """The ``torch.distributed.checkpoint`` state dict of one save on this rank."""
     sd: dict[str, Any] = {}
@@ -177,22 +195,83 @@ def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
         "rng": rng_state(),
         "stateful": {k: o.state_dict() for k, o in e.stateful.items()},
         "plain": dict(e.plain),
+        "world_size": _world(),
         **extra,
     }
     sd[BLOB.format(rank=rank)] = to_bytes(blob)
     return sd
 
 
-def load_template(e: Entries, rank: int) -> dict[str, Any]:
-    """What to load into: every saved key of this rank, with its current (shape) values."""
+def saved_world(url: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """How many ranks saved checkpoint ``url`` (its per-rank blobs, from its metadata)."""
+    from . import storage_classes
+
+    reader = storage_classes()["VolumeReader"](url, **dict(storage_options or {}))
+    keys = reader.read_metadata().state_dict_metadata.keys()
+    prefix = BLOB.split("{", 1)[0]
+    return sum(1 for k in keys if k.startswith(prefix)) or 1
+
+
+def blob_key(rank: int, saved: int | None = None) -> str:
+    """The blob rank ``rank`` restores: its own, or rank ``rank mod saved``'s on another
+    world size (see the module docstring)."""
+    return BLOB.format(rank=rank % saved if saved else rank)
+
+
+def reshard_check(e: Entries, url: str, saved: int, world: int, rank: int) -> None:
+    """A ``RuntimeError`` when the state cannot be restored from ``saved`` ranks onto
+    ``world`` (a DeepSpeed engine), before anything is loaded."""
+    if saved == world or not e.engines:
+        return
+    key = next(iter(e.engines))
+    src = f"{url.rstrip('/')}/deepspeed/{key}/engine"
+    raise RuntimeError(
+        f"Checkpointer on rank {rank}: the checkpoint {url} was saved by {saved} ranks and this "
+        f"call has {world}; state[{key!r}] is a DeepSpeed engine, whose ZeRO checkpoint is "
+        f"partitioned over the {saved} ranks that saved it and is not resharded here. Resume "
+        f"on {saved} ranks (processes={saved} or gpus={saved}), or convert it with DeepSpeed's "
+        f"universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal "
+        f"--input_folder {src} --output_folder <dir>) and load that with "
+        "engine.load_checkpoint(<dir>, ...) and the config's "
+        '"checkpoint": {"load_universal": true} in a fresh location. Nothing was loaded.'
+    )
+
+
+def resume_note(e: Entries, step: int, saved: int, world: int) -> str:
+    """The line a resume onto another world size prints (rank 0)."""
+    from .dataloader import LoaderState, global_sampler
+
+    parts = [f"gangrun: resumed step {step} saved by {saved} ranks onto {world}"]
+    what = []
+    if e.models or e.optims:
+        what.append(
+            "model and optimizer resharded" if e.optims else "model resharded"
+        )
+    for obj in e.stateful.values():
+        sampler = global_sampler(obj.loader) if isinstance(obj, LoaderState) else None
+        point = sampler.resume_point if sampler is not None else None
+        if point is not None:
+            what.append(f"data at global sample {point[1]} of epoch {point[0]}")
+            break
+    return parts[0] + (": " + ", ".join(what) if what else "")
+
+
+def load_template(e: Entries, rank: int, saved: int | None = None) -> dict[str, Any]:
+    """What to load into: every saved key of this rank (``saved``: the world size that
+    saved it, when another), with its current (shape) values."""
     tpl = {k: _model_sd(m) for k, m in e.models.items()}
     tpl.update({k: _optim_sd(e.models[mk], o) for k, (o, mk) in e.optims.items()})
-    tpl[BLOB.format(rank=rank)] = b""
+    tpl[blob_key(rank, saved)] = b""
     return tpl
 
 
 def apply(
-    e: Entries, tpl: dict[str, Any], rank: int, state: Any, devices: Any = None
+    e: Entries,
+    tpl: dict[str, Any],
+    rank: int,
+    state: Any,
+    devices: Any = None,
+    saved: int | None = None,
 ) -> dict[str, Any]:
     """Put the loaded values back into the objects (and plain values into ``state`` when it
     is a mutable mapping). Returns this rank's blob (its extra fields)."""
@@ -205,7 +284,7 @@ def apply(
         set_model_state_dict(model, tpl[key])
     for key, (opt, mkey) in e.optims.items():
         set_optimizer_state_dict(e.models[mkey], opt, tpl[key])
-    raw = tpl[BLOB.format(rank=rank)]
+    raw = tpl[blob_key(rank, saved)]
     if not raw:
         raise RuntimeError(f"the checkpoint holds nothing for rank {rank}")
     blob: dict[str, Any] = from_bytes(raw)
@@ -225,4 +304,15 @@ def apply(
     return blob
 
 
-__all__ = ["Entries", "classify", "save_dict", "load_template", "apply", "rng_state"]
+__all__ = [
+    "Entries",
+    "apply",
+    "blob_key",
+    "classify",
+    "load_template",
+    "reshard_check",
+    "resume_note",
+    "rng_state",
+    "save_dict",
+    "saved_world",
+]

@@ -31,7 +31,8 @@ What it guarantees (SPEC section 5):
 ``import gangrun`` does not import this module; importing it imports torch (the dataset is a
 ``torch.utils.data.IterableDataset``), fsspec is imported when files are listed.
 
-Modules (every one importable on its own; only ``dataset`` and ``loader`` import torch):
+Modules (every one importable on its own; only ``dataset``, ``loader`` and ``sampler`` import
+torch):
 
 - ``listing``: `FileEntry`, listing and sorting a source's files (fsspec), local reads;
 - ``sharding``: epoch order, rank shares, worker plans, position records (pure: no torch, no
@@ -44,6 +45,8 @@ Modules (every one importable on its own; only ``dataset`` and ``loader`` import
   built from ``table_plan`` (the split arithmetic, pure), ``table_source`` (files, schema, row
   groups; pyarrow), ``table_delta`` (Delta snapshots; deltalake), ``table_convert`` (Arrow
   to tensors) and ``table_wire`` (the workers' hand-over). pyarrow and deltalake are imported only by these modules.
+- ``sampler``: `DistributedSampler`, a drop-in for torch's with one global order per epoch,
+  resumable at the same or another world size, and `per_rank_batch` (the global batch held).
 
 The names below are loaded on first use, so ``import gangrun.data.sharding`` does not import
 torch.
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from .dataset import VolumeDataset
     from .listing import FileEntry
     from .loader import VolumeLoader
+    from .sampler import DistributedSampler, per_rank_batch
     from .table import TableDataset, TableLoader
     from .table_source import TableError
 
@@ -73,6 +77,8 @@ _WHERE = {
     "TableDataset": "table",
     "TableLoader": "table",
     "TableError": "table_source",
+    "DistributedSampler": "sampler",
+    "per_rank_batch": "sampler",
 }
 
 __all__ = [
@@ -84,6 +90,8 @@ __all__ = [
     "FileCache",
     "FileEntry",
     "default_cache_dir",
+    "DistributedSampler",
+    "per_rank_batch",
 ]
 
 

@@ -165,16 +165,19 @@ class Checkpointer:
         self._setup()
         e = self._classify(fresh=True)
         found = latest(self.dir, **self.storage_options) if self._rank == 0 else None
+        # how many ranks saved it: another world size restores by the rule of state.py
+        saved = _state.saved_world(found, self.storage_options) if found else None
         dist = _dist()
         if dist is not None and self._world > 1:
-            box = [found]
+            box = [found, saved]
             dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
-            found = box[0]
+            found, saved = box
         self._restored = True
         if found is None:
             self.step = 0
             progress.report_fresh_start()  # not progress (docs/restarts.md)
             return 0
+        _state.reshard_check(e, found, saved or self._world, self._world, self._rank)
         for key, engine in e.engines.items():
             path, _ = engine.load_checkpoint(
                 os.path.join(self._local(found), "deepspeed", key), tag="engine"
@@ -183,11 +186,13 @@ class Checkpointer:
                 raise RuntimeError(f"DeepSpeed found no checkpoint for {key!r} in {found}")
         from ..checkpoint import load
 
-        tpl = _state.load_template(e, self._rank)
+        tpl = _state.load_template(e, self._rank, saved)
         group = self._groups[1] if self._groups else None
         load(tpl, found, process_group=group, storage_options=self.storage_options)
-        blob = _state.apply(e, tpl, self._rank, self.state)
+        blob = _state.apply(e, tpl, self._rank, self.state, saved=saved)
         self.step = self._saved_step = int(blob["step"])
+        if saved and saved != self._world and self._rank == 0:  # said in the cell
+            print(_state.resume_note(e, self.step, saved, self._world), file=sys.stderr)
         self.last = self.restored_from = found
         self._replay_metrics(blob.get("metrics", []))
         self._last_save = time.monotonic()
