@@ -141,6 +141,7 @@ def test_back_off_is_observed_between_attempts():
     assert "(restart 2/3) in 0.6s" in sup.call.stderr.getvalue()  # type: ignore[attr-defined]
     rows = json.loads(attempts_json(a))["attempts"]
     assert [r["attempt"] for r in rows] == [1, 2, 3]
+    assert [r["world_size"] for r in rows] == [2, 2, 2]  # each attempt's (a resume may differ)
     assert rows[0]["failure"]["rank"] == 1 and rows[0]["failure"]["signal"] == "SIGKILL"
     assert rows[2]["failure"] is None and rows[2]["state"] == "succeeded"
 

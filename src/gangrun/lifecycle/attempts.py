@@ -95,6 +95,7 @@ class Restarts:
         reports = progress.read_all(run_dir, world_size)
         resumed = [r.resumed_from for r in reports.values() if r.resumed_from is not None]
         attempt.started, attempt.ended = self._launched, time.time()
+        attempt.world_size = world_size
         attempt.resumed_from = min(resumed) if resumed else None
         attempt.last_step = max((r.step for r in reports.values()), default=None)
         facts = facts_of(attempt, reports)
@@ -228,6 +229,7 @@ def attempts_json(attempts: list[Attempt]) -> str:
                 "ended": a.ended,
                 "resumed_from": a.resumed_from,
                 "last_step": a.last_step,
+                "world_size": a.world_size,
                 "failure": failure,
                 "decision": a.decision,
                 "reason": a.reason,

@@ -121,6 +121,7 @@ class Attempt:
     ended: float = 0.0
     resumed_from: int | None = None  # the step a restore resumed at (progress reports)
     last_step: int | None = None  # the highest step a rank reported
+    world_size: int = 0  # how many ranks it ran (a run_id= resume may run another number)
     decision: str = ""  # "restart" or "stop", and why (policy.Verdict)
     reason: str = ""
     backoff: float = 0.0  # seconds waited before the next attempt
