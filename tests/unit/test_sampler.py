@@ -161,3 +161,18 @@ def test_a_changed_dataset_restarts_the_epoch_with_a_warning():
     theirs = TorchSampler(list(range(10)), 2, 0, seed=1)
     theirs.set_epoch(1)
     assert list(s) == list(theirs)
+
+
+def test_torchs_sampler_resumed_on_another_world_size_is_said_not_exact():
+    from torch.utils.data import DistributedSampler as TorchDS
+
+    ds = TensorDataset(torch.arange(8))
+    loader = DataLoader(ds, batch_size=2, sampler=TorchDS(ds, 2, 0, seed=1))
+    ls = track(loader, "loader", 0)
+    it = iter(loader)
+    next(it)
+    state = ls.state_dict()
+    assert state["world_size"] == 1  # this process's world (no process group)
+    ls.load_state_dict(state)  # the same size: skipped by count, exact, silently
+    with pytest.warns(UserWarning, match=r"saved by 2 ranks resumes on 1: .*gangrun\.data\."):
+        ls.load_state_dict({**state, "world_size": 2})

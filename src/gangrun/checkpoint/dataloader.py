@@ -141,6 +141,34 @@ def _consumed(loader: Any, handed: int) -> int:
     return handed * int(bs) if bs is not None else handed
 
 
+def world_size() -> int:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    ready = dist is not None and dist.is_available() and dist.is_initialized()
+    return int(dist.get_world_size()) if ready else 1  # type: ignore[union-attr]
+
+
+def _warn_split(loader: Any, state: dict[str, Any]) -> None:
+    """Say that torch's ``DistributedSampler`` resumed on another world size is not exact."""
+    from torch.utils.data import DistributedSampler
+
+    saved, world = state.get("world_size"), world_size()
+    if saved is None or saved == world:
+        return
+    if any(isinstance(s, DistributedSampler) for s in _samplers(loader)):
+        import warnings
+
+        warnings.warn(
+            f"a DataLoader with torch's DistributedSampler saved by {saved} ranks resumes on "
+            f"{world}: the batches its pass had handed out are skipped in the new split, so "
+            "samples of this epoch may be read twice or not at all. "
+            "gangrun.data.DistributedSampler (the same arguments) continues the epoch "
+            "exactly on any number of ranks.",
+            stacklevel=2,
+        )
+
+
 class LoaderState:
     """What a `gangrun.Checkpointer` saves of a plain DataLoader (see the module docstring)."""
 
@@ -158,6 +186,7 @@ class LoaderState:
             else:  # no pass under way: the next one starts its epoch
                 extra["sampler"] = {**sampler.position(0), "epoch": sampler.epoch, "position": 0}
         if p.active:
+            extra["world_size"] = world_size()
             return {"active": True, "generator": p.start_state, "handed": p.handed, **extra}
         gstate = gen.get_state() if gen is not None else None
         return {"active": False, "generator": gstate, **extra}
@@ -175,6 +204,7 @@ class LoaderState:
                 gen.set_state(saved)
         elif state.get("active"):
             p.restore, p.skip = saved, int(state.get("handed") or 0)
+            _warn_split(self.loader, state)
         else:
             p.restore, p.skip = None, 0
             if gen is not None and saved is not None:
@@ -223,4 +253,11 @@ def is_plain_loader(obj: Any) -> bool:
     return not callable(getattr(obj, "state_dict", None))
 
 
-__all__ = ["LoaderState", "generator", "global_sampler", "is_plain_loader", "track"]
+__all__ = [
+    "LoaderState",
+    "generator",
+    "global_sampler",
+    "is_plain_loader",
+    "track",
+    "world_size",
+]

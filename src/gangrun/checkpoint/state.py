@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .dataloader import is_plain_loader, track
+from .dataloader import is_plain_loader, track, world_size
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 BLOB = "__gangrun_rank{rank}"  # per-rank entries + RNG states (one bytes item each)
@@ -178,12 +178,6 @@ def from_bytes(raw: bytes) -> Any:
     return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
 
 
-def _world() -> int:
-    dist = sys.modules.get("torch.distributed")
-    ready = dist is not None and dist.is_available() and dist.is_initialized()
-    return int(dist.get_world_size()) if ready else 1  # type: ignore[union-attr]
-
-
 def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
     """The ``torch.distributed.checkpoint`` state dict of one save on this rank."""
     sd: dict[str, Any] = {}
@@ -195,7 +189,7 @@ def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
         "rng": rng_state(),
         "stateful": {k: o.state_dict() for k, o in e.stateful.items()},
         "plain": dict(e.plain),
-        "world_size": _world(),
+        "world_size": world_size(),
         **extra,
     }
     sd[BLOB.format(rank=rank)] = to_bytes(blob)
@@ -243,13 +237,12 @@ def resume_note(e: Entries, step: int, saved: int, world: int) -> str:
 
     parts = [f"gangrun: resumed step {step} saved by {saved} ranks onto {world}"]
     what = []
-    if e.models or e.optims:
-        what.append(
-            "model and optimizer resharded" if e.optims else "model resharded"
-        )
-    for obj in e.stateful.values():
-        sampler = global_sampler(obj.loader) if isinstance(obj, LoaderState) else None
-        point = sampler.resume_point if sampler is not None else None
+    if e.models:
+        what.append("model and optimizer resharded" if e.optims else "model resharded")
+    kind = getattr(sys.modules.get("gangrun.data.sampler"), "DistributedSampler", None)
+    for obj in e.stateful.values():  # a loader with gangrun's sampler, or the sampler itself
+        sampler = global_sampler(obj.loader) if isinstance(obj, LoaderState) else obj
+        point = sampler.resume_point if kind and isinstance(sampler, kind) else None
         if point is not None:
             what.append(f"data at global sample {point[1]} of epoch {point[0]}")
             break

@@ -61,7 +61,9 @@ def per_rank_batch(global_batch: int, world_size: int | None = None) -> int:
     A ``ValueError`` when it does not divide."""
     _, world = _rank_world(world_size, 0)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"per_rank_batch: global_batch must be an integer >= 1, got {global_batch!r}")
+        raise ValueError(
+            f"per_rank_batch: global_batch must be an integer >= 1, got {global_batch!r}"
+        )
     if world < 1 or global_batch % world:
         raise ValueError(
             f"per_rank_batch: a global batch of {global_batch} samples does not split evenly "
@@ -123,6 +125,9 @@ class DistributedSampler(_TorchDistributedSampler):  # type: ignore[type-arg]
         self.yielded = 0  # indices this rank's pass has handed out
         self._resume: tuple[int, int] | None = None  # (epoch, start) of the next pass
 
+    def _size(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
     def __iter__(self) -> Iterator[int]:
         return self._iter()
 
@@ -135,7 +140,7 @@ class DistributedSampler(_TorchDistributedSampler):  # type: ignore[type-arg]
             self._resume = None
             start = pos if epoch == self.epoch else 0
         self.pass_start, self.pass_epoch, self.yielded = start, self.epoch, 0
-        order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        order = epoch_order(self._size(), self.seed, self.epoch, self.shuffle)
         for i in rank_share(order, start, self.rank, self.num_replicas, self.drop_last):
             self.yielded += 1
             yield i
@@ -144,7 +149,7 @@ class DistributedSampler(_TorchDistributedSampler):  # type: ignore[type-arg]
         """The world's position in the current pass once every rank consumed ``consumed``
         samples of it (default: the indices this rank handed out): JSON-able."""
         c = self.yielded if consumed is None else int(consumed)
-        n = len(self.dataset)
+        n = self._size()
         return {
             "epoch": self.pass_epoch,
             "position": min(self.pass_start + self.num_replicas * c, n),
@@ -162,7 +167,7 @@ class DistributedSampler(_TorchDistributedSampler):  # type: ignore[type-arg]
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next pass of epoch ``state["epoch"]`` continues at the saved global position
         (on any world size); the sampler's epoch is set to it."""
-        n = len(self.dataset)
+        n = self._size()
         same = (state.get("len"), state.get("seed"), state.get("shuffle")) == (
             n,
             self.seed,

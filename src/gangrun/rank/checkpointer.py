@@ -169,7 +169,7 @@ class Checkpointer:
         saved = _state.saved_world(found, self.storage_options) if found else None
         dist = _dist()
         if dist is not None and self._world > 1:
-            box = [found, saved]
+            box: list[Any] = [found, saved]
             dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
             found, saved = box
         self._restored = True

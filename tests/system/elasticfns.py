@@ -1,0 +1,116 @@
+"""Rank function for the elastic-resume system tests (tests/system/test_elastic.py).
+
+The seed's classic loop: ``DataLoader(TensorDataset, batch_size=per_rank,
+sampler=DistributedSampler(ds))`` with gangrun's sampler, a deterministic model (no dropout),
+DDP or FSDP2, Adam, the global batch held (``per_rank_batch``). The function stops after
+``total`` steps (a save there): a later call with more steps, on any number of ranks,
+continues it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+N, DIM, GLOBAL_BATCH, EPOCHS, SEED = 24, 4, 6, 2, 7  # 4 global batches per epoch
+
+
+def _dataset() -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=g)
+    y = x.sum(1, keepdim=True).sin() + 0.1 * torch.randn(N, 1, generator=g)
+    return TensorDataset(torch.arange(N), x, y)
+
+
+def _model(framework: str) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(DIM, 8), nn.Tanh(), nn.Linear(8, 1))
+    if framework == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(net)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(net)
+
+
+def _full(model: Any, opt: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole (unsharded) model and optimizer state, on every rank."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.utils._pytree import tree_map
+
+    def copy(v: Any) -> Any:  # the state dicts share storage with the live parameters
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+    full = StateDictOptions(full_state_dict=True)
+    return tree_map(copy, get_model_state_dict(model, options=full)), tree_map(
+        copy, get_optimizer_state_dict(model, opt, options=full)
+    )
+
+
+def train(framework: str, total: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    import gangrun
+    from gangrun.data import DistributedSampler, per_rank_batch
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds = _dataset()
+    sampler = DistributedSampler(ds, seed=SEED)
+    loader = DataLoader(ds, batch_size=per_rank_batch(GLOBAL_BATCH), sampler=sampler)
+    model = _model(framework)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    state = {"model": model, "optim": opt, "loader": loader, "epoch": 0}
+    ckpt = gangrun.Checkpointer(state, keep=2, async_save=False)
+    start = step = ckpt.restore()
+    restored = _full(model, opt) if start else None
+    reads: dict[int, list[int]] = {}
+    losses: dict[int, float] = {}
+    while state["epoch"] < EPOCHS and step < total:
+        epoch = state["epoch"]
+        sampler.set_epoch(epoch)
+        for ids, x, y in loader:
+            reads.setdefault(epoch, []).extend(ids.tolist())
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # the ranks' shares are equal: the global batch's mean
+            losses[step] = mean.item() / world
+            ckpt.step_done(step, total)
+            step += 1
+            if step >= total:
+                break
+        else:
+            state["epoch"] = epoch + 1
+    ckpt.save()
+    ckpt.close()
+    model_sd, optim_sd = _full(model, opt)
+    dist.barrier()
+    return {
+        "rank": rank,
+        "world": world,
+        "start": start,
+        "reads": reads,
+        "losses": losses,
+        "model": model_sd if rank == 0 else None,
+        "optim": optim_sd if rank == 0 else None,
+        "restored": restored if rank == 0 else None,
+    }

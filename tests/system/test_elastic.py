@@ -1,0 +1,128 @@
+"""Resume on another number of ranks (docs/long_runs.md, "Another number of GPUs").
+
+The seed's loop with ``gangrun.data.DistributedSampler`` and the global batch held trains on
+2 ranks (gloo, CPU), stops at a drawn step (a call with fewer total steps: it saves there,
+mid-epoch or at an epoch's end), and another call continues it on 1, on 3 and on 2 ranks
+(DDP), or on 1 rank and then again on 2 (FSDP2: 2 -> 1 -> 2). Shown: every sample of each
+epoch is read exactly once across the worlds that read it; an epoch a call begins is what its
+number of ranks reads uninterrupted (torch's own sampler); the model and optimizer after the
+restore are bitwise the saved full state; every step's loss is within 1e-6 (relative) of the
+uninterrupted run's on 2 ranks; the resume onto another size says so in one line on rank 0's
+stderr. At the same size the resume is bitwise the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import elasticfns as ef
+import pytest
+
+import gangrun
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DistributedSampler  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = ef.EPOCHS * ef.N // ef.GLOBAL_BATCH  # 8
+
+
+def _call(processes, where, total, framework):
+    run = gangrun.distributed(
+        processes=processes, timeout=120, output="rank0", checkpoint_dir=where
+    )(ef.train)
+    return run.distributed(framework, total)
+
+
+def _equal(a, b, where=""):
+    """Bitwise equality of nested state dicts."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+_base: dict[str, dict] = {}
+
+
+def _baseline(framework, tmp_path_factory):
+    if framework not in _base:
+        out = _call(2, str(tmp_path_factory.mktemp("base")), STEPS, framework)
+        assert sorted(out[0]["losses"]) == list(range(STEPS))
+        _base[framework] = out[0]["losses"]
+    return _base[framework]
+
+
+def _check(calls, stops, base, said, exact=False):
+    """``calls[i]`` ran steps ``stops[i-1]`` to ``stops[i]``, each continuing the one before on
+    its own number of ranks."""
+    for prev, out, stop in zip(calls[:-1], calls[1:], stops, strict=True):
+        # the model and optimizer after the restore: bitwise the saved full state
+        assert out[0]["start"] == stop
+        _equal(out[0]["restored"][0], prev[0]["model"], "model")
+        _equal(out[0]["restored"][1], prev[0]["optim"], "optim")
+        old, new = len(prev), len(out)
+        epoch = (stop * ef.GLOBAL_BATCH - 1) // ef.N  # the epoch the stopped call was in
+        line = (
+            f"gangrun: resumed step {stop} saved by {old} ranks onto {new}: model and "
+            "optimizer resharded, data at global sample "
+            f"{stop * ef.GLOBAL_BATCH - epoch * ef.N} of epoch {epoch}"
+        )
+        assert (line in said) == (old != new), said
+    # each epoch: every sample exactly once across the worlds that read it; an epoch a call
+    # began is what its number of ranks reads uninterrupted (torch's own sampler)
+    for e in range(ef.EPOCHS):
+        ids = [i for out in calls for r in out for i in r["reads"].get(e, [])]
+        assert sorted(ids) == list(range(ef.N)), f"epoch {e}"
+    for out, stop in zip(calls, [0, *stops], strict=True):
+        for e in range(-(-stop * ef.GLOBAL_BATCH // ef.N), ef.EPOCHS):
+            for r in out:
+                s = DistributedSampler(range(ef.N), len(out), r["rank"], seed=ef.SEED)
+                s.set_epoch(e)
+                got = r["reads"].get(e, [])
+                assert got == list(s)[: len(got)], f"epoch {e} on {len(out)} ranks"
+    # every step's loss, against the uninterrupted run on 2 ranks
+    losses = {k: v for out in calls for k, v in out[0]["losses"].items()}
+    assert sorted(losses) == list(range(STEPS))
+    for step, loss in losses.items():
+        if exact:
+            assert loss == base[step], f"step {step}"
+        else:
+            assert loss == pytest.approx(base[step], rel=1e-6, abs=0), f"step {step}"
+
+
+def test_ddp_resumed_on_1_and_on_3_ranks_and_on_2_bitwise(tmp_path, tmp_path_factory, capfd):
+    base = _baseline("ddp", tmp_path_factory)
+    stop = random.Random(os.urandom(8)).randrange(1, STEPS - 1)
+    print(f"the first call stops after step {stop}")
+    where = str(tmp_path / "ckpt")
+    first = _call(2, where, stop, "ddp")
+    for new in (1, 3, 2):
+        again = str(tmp_path / f"on{new}")
+        shutil.copytree(where, again)
+        capfd.readouterr()
+        second = _call(new, again, STEPS, "ddp")
+        _check([first, second], [stop], base, capfd.readouterr().err, exact=new == 2)
+
+
+def test_fsdp2_resumed_2_to_1_to_2_ranks(tmp_path, tmp_path_factory, capfd):
+    base = _baseline("ddp", tmp_path_factory)  # the same arithmetic: within 1e-6 of it too
+    rnd = random.Random(os.urandom(8))
+    first = rnd.randrange(1, STEPS - 2)
+    stops = [first, rnd.randrange(first + 1, STEPS - 1)]
+    print(f"the calls stop after steps {stops}")
+    where = str(tmp_path / "ckpt")
+    capfd.readouterr()
+    calls = [_call(n, where, s, "fsdp2") for n, s in ((2, stops[0]), (1, stops[1]), (2, STEPS))]
+    _check(calls, stops, base, capfd.readouterr().err)
