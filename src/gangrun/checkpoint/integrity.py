@@ -307,7 +307,7 @@ def damaged_file(url: str, rel: str, exc: BaseException, storage_options: dict[s
     """The message of a file torch could not read (its CRC-32 compared when recorded)."""
     said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     said = said.split(". ", 1)[0][:300]  # torch's first sentence says it; the rest is advice
-    detail = f"could not be read ({type(exc).__name__}: {said})"
+    detail = f"could not be read ({type(exc).__name__}{': ' + said if said else ''})"
     with contextlib.suppress(Exception):
         fs, path = filesystem(url, storage_options)
         path = path.rstrip("/")
