@@ -101,9 +101,7 @@ def test_every_checkpoint_damaged_fails_naming_location_checkpoint_and_file(data
 
 
 @pytest.mark.mlflow
-def test_a_resumed_run_whose_checkpoints_are_all_damaged_is_refused_before_any_rank(
-    data, tmp_path
-):
+def test_a_resumed_run_whose_checkpoints_are_all_damaged_is_refused_before_any_rank(data, tmp_path):
     root = str(tmp_path / "ckpt")
     handle = _train(checkpoint_dir=root).submit("ddp", data, 4, 2)
     handle.result()

@@ -12,19 +12,19 @@ every rank has written its data. A crash anywhere before that leaves no marker: 
 is ignored by [`latest`][gangrun.checkpoint.latest] and refused by `VolumeReader`. Saving again into an existing
 checkpoint first removes its marker.
 
-The marker is also the checkpoint's manifest: every file (relative path) with its size, and the
-CRC-32 of the files DCP wrote, computed by each rank as it writes them (`gangrun.checkpoint.manifest`
-says how, and what it costs). A file damaged later (truncated, deleted, overwritten) makes the
-checkpoint *damaged*, not complete:
+The marker is also the checkpoint's manifest: every file (relative path) with its size, and
+the CRC-32 of the files DCP wrote, computed by each rank as it writes them (how, and what it
+costs: `gangrun.checkpoint.manifest`). A file damaged later (truncated, deleted) makes the
+checkpoint *damaged*; one corrupted at the same size is found with ``checksums=True``:
 
->>> checkpoint.verify(last).problems             # [] or what is missing / of another size
->>> found, damaged = checkpoint.newest_valid("s3://b/run")   # skips damaged ones
->>> checkpoint.scan("s3://b/run")                # every checkpoint: complete, damaged, partial
+>>> checkpoint.verify(last).problems           # [] or what is missing / of another size
+>>> found, skipped = checkpoint.newest_valid("s3://b/run")   # the damaged ones skipped
+>>> checkpoint.scan("s3://b/run")              # every checkpoint: complete, damaged, partial
 
 `load` checks the sizes first (one listing) and raises `DamagedCheckpointError` naming the
-checkpoint and the file, also when torch's reader fails on a file. ``gangrun checkpoints URL``
-prints the same from a shell. Markers without a manifest (older gangrun) are complete but
-unverifiable.
+checkpoint and the file, also when torch's reader fails on a file. A ``Checkpointer``
+restores the newest *valid* checkpoint; ``gangrun checkpoints URL`` lists them from a shell.
+Markers without a manifest (older gangrun) are complete but unverifiable.
 
 Built on torch's own fsspec support (``FsspecWriter``/``FsspecReader``). Works in a process
 group (every rank calls ``save``/``load``) and without one (a single process). Importing this
@@ -220,7 +220,12 @@ def storage_classes() -> dict[str, type]:
             self._coordinator = False
             self._storage_options = dict(storage_options)
             self._written: dict[str, list[Any]] = {}  # this rank's files: [size, crc32]
-            _v.tap_streams(self.fs, self.path, self._written)
+            _v.tap_streams(self.fs, lambda: self.path, self._written)
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            super().reset(checkpoint_id)
+            if checkpoint_id:
+                self.url = os.fspath(checkpoint_id)
 
         def _marker(self) -> str:
             return str(self.fs.concat_path(self.path, MARKER))

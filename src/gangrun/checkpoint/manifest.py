@@ -12,9 +12,11 @@ directory, with its size, and a CRC-32 where it came for free:
   DeepSpeed's own API before the DCP save). A file the ranks wrote whose stored size differs
   from what was written fails the save: such a checkpoint is never committed.
 
-Cost, measured on one CPU rank with 100 MB of float32 tensors on a local disk
-(``bench/bench_checkpoint.py --manifest``): the CRC-32 runs at about 3 GB/s in the writer's
-thread (zlib releases the GIL), about 35 ms per 100 MB, plus one directory listing at commit.
+Cost, measured in one process with 100 MB of float32 tensors on a local disk
+(``bench/bench_manifest.py``): the CRC-32 runs at about 3 GB/s in the writer's thread (zlib
+releases the GIL for large buffers), about 35 ms per 100 MB, plus one directory listing at
+commit: a save of 0.27 s against 0.22 s without the manifest (median of 12, loaded 2-core
+machine). For an async save all of it runs in DCP's background thread.
 
 Verification reads these records: `gangrun.checkpoint.integrity`.
 """
@@ -25,7 +27,7 @@ import contextlib
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import MARKER, _invalidate, filesystem
@@ -56,11 +58,10 @@ class Tap:
         return getattr(self._raw, name)
 
 
-def tap_streams(torch_fs: Any, root: str, written: dict[str, list[Any]]) -> None:
+def tap_streams(torch_fs: Any, root: Callable[[], Any], written: dict[str, list[Any]]) -> None:
     """Make ``torch_fs`` (a writer's torch ``FileSystem``) record, in ``written``, the size and
-    CRC-32 of every file it writes, by its path relative to ``root``."""
+    CRC-32 of every file it writes, by its path relative to ``root()`` (the writer's path)."""
     create = torch_fs.create_stream
-    base = os.fspath(root).rstrip("/") + "/"
 
     @contextlib.contextmanager
     def create_stream(path: Any, mode: str) -> Iterator[Any]:
@@ -70,7 +71,7 @@ def tap_streams(torch_fs: Any, root: str, written: dict[str, list[Any]]) -> None
                 return
             tap = Tap(stream)
             yield tap
-            p = os.fspath(path)
+            p, base = os.fspath(path), os.fspath(root()).rstrip("/") + "/"
             rel = p[len(base) :] if p.startswith(base) else p.rsplit("/", 1)[-1]
             written[rel] = [tap.size, f"{tap.crc:08x}"]
 
