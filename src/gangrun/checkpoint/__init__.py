@@ -102,11 +102,11 @@ def _protocol(fs: Any) -> str:
     return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
-def _natural(s: str) -> list[Any]:
+def natural_key(s: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def _invalidate(fs: Any, root: str) -> None:
+def invalidate_listing(fs: Any, root: str) -> None:
     """Forget cached listings of ``root`` and everything under it: other processes write
     checkpoints (s3fs & co. invalidate a path and its parents, not its children)."""
     fs.invalidate_cache(root)
@@ -119,7 +119,7 @@ def _invalidate(fs: Any, root: str) -> None:
 def is_complete(url: str | os.PathLike[str], **storage_options: Any) -> bool:
     """Whether ``url`` is a finished checkpoint (its commit marker exists)."""
     fs, path = filesystem(url, storage_options)
-    _invalidate(fs, path.rstrip("/"))
+    invalidate_listing(fs, path.rstrip("/"))
     return bool(fs.exists(path.rstrip("/") + "/" + MARKER))
 
 
@@ -127,7 +127,7 @@ def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> lis
     """The complete checkpoints directly under ``url``, oldest first (by commit time)."""
     fs, root = filesystem(url, storage_options)
     root = root.rstrip("/")
-    _invalidate(fs, root)  # listings cached by s3fs & co. miss other processes' saves
+    invalidate_listing(fs, root)  # listings cached by s3fs & co. miss other processes' saves
     try:
         markers = fs.glob(f"{root}/*/{MARKER}")
     except FileNotFoundError:
@@ -140,13 +140,13 @@ def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> lis
             t = float(info.get("time", 0.0))
         except (ValueError, OSError, AttributeError):
             t = 0.0
-        found.append((t, _natural(d.rsplit("/", 1)[-1]), d))
+        found.append((t, natural_key(d.rsplit("/", 1)[-1]), d))
     found.sort()
     src = os.fspath(url)
-    return [_public(fs, src, d) for _, _, d in found]
+    return [public_path(fs, src, d) for _, _, d in found]
 
 
-def _public(fs: Any, src: str, path: str) -> str:
+def public_path(fs: Any, src: str, path: str) -> str:
     """``path`` (fsspec's, without protocol) as the user named its location ``src``."""
     if "://" in src or _protocol(fs) not in _LOCAL:
         return str(fs.unstrip_protocol(path))

@@ -1,7 +1,7 @@
 """Whether a checkpoint still holds what its manifest (`gangrun.checkpoint.manifest`) records.
 
-One listing of the location, compared with each manifest: a file missing, or of another size,
-makes the checkpoint *damaged*. That catches truncation (a partial upload, a full disk, an
+A listing of the checkpoint's files, compared with its manifest: a file missing, or of another
+size, makes the checkpoint *damaged*. That catches truncation (a partial upload, a full disk, an
 interrupted copy) and deletion without reading a byte. ``checksums=True`` also reads every
 file and compares its CRC-32 (silent corruption of the same size), at the cost of reading
 the whole checkpoint. A marker without a manifest (written by an older gangrun) is *complete
@@ -22,8 +22,16 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from . import MARKER, DamagedCheckpointError, _invalidate, _natural, _public, filesystem
-from .manifest import FILES, _crc, _files, _read_marker
+from . import (
+    MARKER,
+    DamagedCheckpointError,
+    filesystem,
+    invalidate_listing,
+    list_checkpoints,
+    natural_key,
+    public_path,
+)
+from .manifest import FILES, crc32_of, files_under, read_marker
 
 _METADATA = ".metadata"
 
@@ -126,7 +134,8 @@ class _Entry:
         recorded = self.marker.get(FILES)
         if isinstance(recorded, dict):
             rep.verified, rep.checksums = True, checksums
-            for rel, want in sorted(recorded.items(), key=lambda kv: _natural(kv[0])):
+            for rel, want in sorted(recorded.items(), key=lambda kv: natural_key(kv[0])):
+                want = want if isinstance(want, dict) else {}
                 size = int(want.get("size", -1))
                 if rel not in sizes:
                     rep.problems.append(Problem(rel, "missing", f"is missing ({size} bytes)"))
@@ -137,7 +146,7 @@ class _Entry:
                     )
                 elif checksums and want.get("crc32"):
                     try:
-                        got = _crc(fs, f"{self.path}/{rel}")
+                        got = crc32_of(fs, f"{self.path}/{rel}")
                     except OSError as exc:
                         rep.problems.append(Problem(rel, "unreadable", f"cannot be read: {exc}"))
                         continue
@@ -158,9 +167,9 @@ def _entries(
     src = os.fspath(url)
     fs, root = filesystem(src, storage_options)
     root = root.rstrip("/")
-    _invalidate(fs, root)
+    invalidate_listing(fs, root)
     by_dir: dict[str, dict[str, dict[str, Any]]] = {}
-    for rel, info in _files(fs, root).items():
+    for rel, info in files_under(fs, root).items():
         if "/" in rel:
             name, inner = rel.split("/", 1)
             by_dir.setdefault(name, {})[inner] = info
@@ -174,7 +183,7 @@ def _entries(
         if not looks:
             continue
         path = f"{root}/{name}"
-        marker = _read_marker(fs, f"{path}/{MARKER}") if MARKER in files else None
+        marker = read_marker(fs, f"{path}/{MARKER}") if MARKER in files else None
         t: float | None
         if marker is not None:
             try:
@@ -185,8 +194,8 @@ def _entries(
             times = [m for m in (_mtime(i) for i in files.values()) if m is not None]
             t = max(times) if times else None
         data = {k: v for k, v in files.items() if k != MARKER}
-        out.append(_Entry(_public(fs, src, path), name, path, data, marker, t))
-    out.sort(key=lambda e: (e.marker is None, e.time or 0.0, _natural(e.name)))
+        out.append(_Entry(public_path(fs, src, path), name, path, data, marker, t))
+    out.sort(key=lambda e: (e.marker is None, e.time or 0.0, natural_key(e.name)))
     return fs, out
 
 
@@ -199,16 +208,16 @@ def verify(
     src = os.fspath(url).rstrip("/")
     fs, path = filesystem(src, storage_options)
     path = path.rstrip("/")
-    _invalidate(fs, path)
-    files = _files(fs, path)
-    marker = _read_marker(fs, f"{path}/{MARKER}") if MARKER in files else None
+    invalidate_listing(fs, path)
+    files = files_under(fs, path)
+    marker = read_marker(fs, f"{path}/{MARKER}") if MARKER in files else None
     t = None
     if marker is not None and "" not in marker:
         with contextlib.suppress(TypeError, ValueError):
             t = float(marker.get("time", 0.0))
     data = {k: v for k, v in files.items() if k != MARKER}
     name = path.rsplit("/", 1)[-1]
-    return _Entry(_public(fs, src, path), name, path, data, marker, t).check(fs, checksums)
+    return _Entry(public_path(fs, src, path), name, path, data, marker, t).check(fs, checksums)
 
 
 def scan(
@@ -218,18 +227,20 @@ def scan(
     ordered by name (numbers compared as numbers)."""
     fs, entries = _entries(url, storage_options)
     reports = [e.check(fs, checksums) for e in entries]
-    return sorted(reports, key=lambda r: _natural(r.name))
+    return sorted(reports, key=lambda r: natural_key(r.name))
 
 
 def newest_valid(
     url: str | os.PathLike[str], *, checksums: bool = False, **storage_options: Any
 ) -> tuple[str | None, list[CheckpointReport]]:
     """(the newest complete checkpoint under ``url`` that verifies, or None; the damaged ones
-    newer than it, newest first, that were skipped). "Newest" as in `latest`."""
-    fs, entries = _entries(url, storage_options)
+    newer than it, newest first, that were skipped). "Newest" as in `latest`.
+
+    Lists the markers, then each candidate's files, newest first, until one verifies: a
+    restore lists one checkpoint's files, not the whole location's."""
     skipped: list[CheckpointReport] = []
-    for e in reversed([e for e in entries if e.marker is not None]):
-        rep = e.check(fs, checksums)
+    for found in reversed(list_checkpoints(url, **storage_options)):
+        rep = verify(found, checksums=checksums, **storage_options)
         if rep.ok:
             return rep.url, skipped
         skipped.append(rep)
@@ -311,9 +322,9 @@ def damaged_file(url: str, rel: str, exc: BaseException, storage_options: dict[s
     with contextlib.suppress(Exception):
         fs, path = filesystem(url, storage_options)
         path = path.rstrip("/")
-        want = (_read_marker(fs, f"{path}/{MARKER}").get(FILES) or {}).get(rel) or {}
+        want = (read_marker(fs, f"{path}/{MARKER}").get(FILES) or {}).get(rel) or {}
         if want.get("crc32"):
-            got = _crc(fs, f"{path}/{rel}")
+            got = crc32_of(fs, f"{path}/{rel}")
             if got != want["crc32"]:
                 detail += f"; its CRC-32 is {got}, {want['crc32']} recorded"
     return damaged_message(url, f"{rel} {detail}")

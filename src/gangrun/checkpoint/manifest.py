@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import MARKER, _invalidate, filesystem
+from . import MARKER, filesystem, invalidate_listing
 
 FILES = "files"  # the manifest's key in the marker
 RANK_FILES = "__gangrun_files__"  # fqn of the extra write result carrying a rank's files
@@ -106,8 +106,8 @@ def build_manifest(url: str, storage_options: dict[str, Any], written: dict[str,
     coordinator calls it once all ranks wrote), checked against what the ranks wrote."""
     fs, path = filesystem(url, storage_options)
     path = path.rstrip("/")
-    _invalidate(fs, path)
-    stored = {rel: int(info.get("size") or 0) for rel, info in _files(fs, path).items()}
+    invalidate_listing(fs, path)
+    stored = {rel: int(info.get("size") or 0) for rel, info in files_under(fs, path).items()}
     for tmp in [r for r in written if r.endswith(".tmp")]:  # .metadata, written then renamed
         written[tmp[: -len(".tmp")]] = written.pop(tmp)
     out: dict[str, dict[str, Any]] = {}
@@ -125,7 +125,7 @@ def build_manifest(url: str, storage_options: dict[str, Any], written: dict[str,
     return out
 
 
-def _files(fs: Any, path: str) -> dict[str, dict[str, Any]]:
+def files_under(fs: Any, path: str) -> dict[str, dict[str, Any]]:
     """Every file under ``path`` (recursively), by relative path, with fsspec's info."""
     try:
         found = fs.find(path, detail=True)
@@ -139,7 +139,7 @@ def _files(fs: Any, path: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def _crc(fs: Any, path: str) -> str:
+def crc32_of(fs: Any, path: str) -> str:
     crc = 0
     with fs.open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -147,7 +147,7 @@ def _crc(fs: Any, path: str) -> str:
     return f"{crc:08x}"
 
 
-def _read_marker(fs: Any, path: str) -> dict[str, Any]:
+def read_marker(fs: Any, path: str) -> dict[str, Any]:
     try:
         info = json.loads(fs.cat_file(path) or b"{}")
     except (ValueError, OSError, UnicodeDecodeError) as exc:

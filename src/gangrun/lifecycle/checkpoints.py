@@ -103,7 +103,7 @@ def prepare(sup: Supervisor) -> dict[str, str]:
                 "silently redo the training; pass checkpoint_dir= with their new location, or a "
                 "fresh checkpoint_dir= to start over."
             )
-        valid, damaged = integrity.newest_valid(url)  # one listing: sizes, no bytes read
+        valid, damaged = integrity.newest_valid(url)  # listings and sizes: no data is read
         if valid is None:
             raise LaunchError(f"{run} cannot resume: {integrity.no_valid_message(url, damaged)}")
     if tracker is not None:
