@@ -10,10 +10,12 @@ in alternating order:
   (no commit marker, no manifest);
 * ``gangrun``: `gangrun.checkpoint.save` (``VolumeWriter``: each file's size and CRC-32
   computed as it is written, the directory listed once, the marker with the manifest);
+* ``gangrun_no_manifest``: the same save with the manifest's two steps (the tap on the
+  streams, the listing at commit) replaced by no-ops: the marker as before manifests;
 * ``verify``: `gangrun.checkpoint.verify` (one listing, sizes compared), what a restore does;
 * ``verify_checksums``: ``verify(checksums=True)`` (every byte read back and its CRC-32).
 
-Ratio: gangrun / torch_fsspec (the save's overhead).
+Ratios: gangrun / gangrun_no_manifest (what the manifest costs), gangrun / torch_fsspec.
 """
 
 from __future__ import annotations
@@ -62,6 +64,23 @@ def run(reps: int) -> dict:
         last["url"] = url
         return took
 
+    from gangrun.checkpoint import manifest
+
+    tap, build = manifest.tap_streams, manifest.build_manifest
+
+    def without() -> float:
+        manifest.tap_streams = lambda *a: None  # type: ignore[assignment]
+        manifest.build_manifest = lambda *a: {}  # type: ignore[assignment]
+        try:
+            url = os.path.join(where, f"bare-{next(count)}")
+            t = time.perf_counter()
+            checkpoint.save(state, url)
+            took = time.perf_counter() - t
+            shutil.rmtree(url)
+            return took
+        finally:
+            manifest.tap_streams, manifest.build_manifest = tap, build
+
     def sizes() -> float:
         t = time.perf_counter()
         assert checkpoint.verify(last["url"]).ok
@@ -77,11 +96,24 @@ def run(reps: int) -> dict:
         plain()
         times = interleaved(
             reps,
-            {"torch_fsspec": plain, "gangrun": ours, "verify": sizes, "verify_checksums": crcs},
+            {
+                "torch_fsspec": plain,
+                "gangrun_no_manifest": without,
+                "gangrun": ours,
+                "verify": sizes,
+                "verify_checksums": crcs,
+            },
         )
     finally:
         shutil.rmtree(where, ignore_errors=True)
-    res = report("checkpoint_manifest", times, {"save_overhead": ("gangrun", "torch_fsspec")})
+    res = report(
+        "checkpoint_manifest",
+        times,
+        {
+            "manifest_overhead": ("gangrun", "gangrun_no_manifest"),
+            "vs_torch_fsspec": ("gangrun", "torch_fsspec"),
+        },
+    )
     res["megabytes"] = mb
     return res
 

@@ -157,7 +157,8 @@ def latest(url: str | os.PathLike[str], **storage_options: Any) -> str | None:
     """The newest complete checkpoint directly under ``url`` (``None`` if there is none).
 
     Newest = latest commit time recorded in the marker, ties broken by the directory name
-    (numbers compared as numbers, so ``step-10`` is after ``step-9``).
+    (numbers compared as numbers, so ``step-10`` is after ``step-9``). Its files are not
+    checked: `newest_valid` skips checkpoints damaged since their commit.
     """
     found = list_checkpoints(url, **storage_options)
     return found[-1] if found else None
