@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "gangrun.cli_options": API,
     "gangrun.cli_support": API,
     "gangrun.cli_node": API,  # gangrun ps/logs/stacks/stop
+    "gangrun.cli_checkpoints": API,  # gangrun checkpoints URL
     "gangrun.cli_status": API,  # gangrun run's status line
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API

@@ -2,8 +2,8 @@
 
 * `prepare`: before any rank starts, resolve where the call's checkpoints live (the
   ``checkpoint_dir`` option, or the location the resumed MLflow run recorded), prove it can be
-  written, refuse a resumed run whose recorded checkpoints are gone, record it on the run;
-  returns the ranks' environment.
+  written, refuse a resumed run whose recorded checkpoints are gone or all damaged, record it
+  on the run; returns the ranks' environment.
 * `request_stop`: a preemption (``handle.cancel(checkpoint=True)``, SIGTERM to the
   caller): ask the ranks to checkpoint and stop through the run directory; if they have not
   all stopped within ``grace_period`` the call is cancelled as usual.
@@ -96,16 +96,19 @@ def prepare(sup: Supervisor) -> dict[str, str]:
     check_writable(url)
     last = recorded.get(TAG_LATEST)
     if last and recorded.get(TAG_DIR, "").rstrip("/") == url.rstrip("/"):
-        from ..checkpoint import latest
+        from ..checkpoint import integrity, latest
 
+        run = f"MLflow run {tracker.run_id if tracker else ''}"
         if latest(url) is None:
             raise LaunchError(
-                f"MLflow run {tracker.run_id if tracker else ''} recorded checkpoints in {url} "
-                f"(the last one {last}), but no complete checkpoint is there now: they were "
-                "deleted or moved. Starting at step 0 would silently redo the training; pass "
-                "checkpoint_dir= with their new location, or a fresh checkpoint_dir= to start "
-                "over."
+                f"{run} recorded checkpoints in {url} (the last one {last}), but no complete "
+                "checkpoint is there now: they were deleted or moved. Starting at step 0 would "
+                "silently redo the training; pass checkpoint_dir= with their new location, or a "
+                "fresh checkpoint_dir= to start over."
             )
+        valid, damaged = integrity.newest_valid(url)  # listings and sizes: no data is read
+        if valid is None:
+            raise LaunchError(f"{run} cannot resume: {integrity.no_valid_message(url, damaged)}")
     if tracker is not None:
         try:
             tracker.client.set_tag(tracker.run_id, TAG_DIR, url)

@@ -31,7 +31,8 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from .. import contract
-from ..checkpoint import is_complete, latest, list_checkpoints, remove
+from ..checkpoint import integrity as _integrity
+from ..checkpoint import is_complete, list_checkpoints, remove
 from ..checkpoint import state as _state
 from ..rundir import RunDir
 from . import progress
@@ -164,12 +165,14 @@ class Checkpointer:
             self.state, self._entries = state, None
         self._setup()
         e = self._classify(fresh=True)
-        found = latest(self.dir, **self.storage_options) if self._rank == 0 else None
+        # rank 0 picks the newest *valid* checkpoint (warns of damaged ones it skips)
+        choice = _integrity.choose(self.dir, **self.storage_options) if self._rank == 0 else None
         dist = _dist()
         if dist is not None and self._world > 1:
-            box = [found]
+            box = [choice]
             dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
-            found = box[0]
+            choice = box[0]
+        found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
         self._restored = True
         if found is None:
             self.step = 0
