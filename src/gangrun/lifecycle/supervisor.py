@@ -10,6 +10,7 @@ exit path: a failure is seen as soon as its waiter thread reports it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,7 +27,7 @@ from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale, remove_unrecorded
 from . import calls
 from .attempts import Restarts, annotate
-from .checkpoints import prepare, request_stop
+from .checkpoints import prepare, release_location, request_stop
 from .collect import RankFiles
 from .done import DoneEvent, DoneHook
 from .observers import MlflowObserver, NoticeObserver, Observer, Observers
@@ -449,6 +450,7 @@ class Supervisor:
         launch_failed = isinstance(how, LaunchFailed)
         steps: list[tuple[str, Callable[[], None]]] = [
             ("stop the gang", lambda: self._close_gang(stop=True, grace=0.0)),
+            ("release the checkpoint location", lambda: release_location(self.run_id)),
             ("release the GPUs", self._release_gpus),
             ("settle the outcome", lambda: self._settle(state, error)),
         ]
@@ -491,10 +493,8 @@ class Supervisor:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):  # never written (the start failed before)
         os.unlink(path)
-    except FileNotFoundError:
-        pass  # never written (the start failed before the payload)
 
 
 __all__ = ["Supervisor", "GangFactory", "Planner", "default_planner"]

@@ -33,7 +33,7 @@ from .. import contract
 from ..checkpoint import is_complete, latest, list_checkpoints, remove
 from ..checkpoint import state as _state
 from ..rundir import RunDir
-from . import progress
+from . import location, progress
 from . import stop as _stop
 
 PREFIX = "step-"
@@ -100,6 +100,7 @@ class Checkpointer:
         self._rank, self._world = 0, 1
         self._restored = False
         _stop.install()
+        location.claim(self.dir, self)  # a second live manager on this location: an error
 
     # ------------------------------------------------------------------ helpers
     def _setup(self) -> None:
@@ -317,6 +318,7 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        location.release(self.dir, self)
 
     def __enter__(self) -> Checkpointer:
         return self
