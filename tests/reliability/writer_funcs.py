@@ -69,3 +69,12 @@ def location_then_wait(gate: str) -> str:
 
     _wait(gate)
     return os.environ.get(contract.CHECKPOINT_DIR, "")
+
+
+def location_then_fail(gate: str) -> str:
+    """Waits for ``gate``, then fails naming the checkpoint location the rank was given (the
+    MLflow run ends FAILED, with the error tags a resume clears)."""
+    from gangrun import contract
+
+    _wait(gate)
+    raise RuntimeError(f"stops here; location={os.environ.get(contract.CHECKPOINT_DIR)!r}")

@@ -71,10 +71,12 @@ class WriterLock:
 
 
 def _fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, bool]:
-    from . import _LOCAL, _protocol, filesystem
+    """The store, and whether it is this machine's file system (then `os` does the work)."""
+    from . import filesystem
 
     fs, _ = filesystem(url, storage_options)
-    return fs, _protocol(fs) in _LOCAL
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return fs, bool({"file", "local"} & set(protocols))
 
 
 def lock_path(url: str, storage_options: dict[str, Any] | None = None) -> str:

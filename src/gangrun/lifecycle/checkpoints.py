@@ -94,6 +94,13 @@ def prepare(sup: Supervisor) -> dict[str, str]:
     recorded: dict[str, str] = {}
     if tracker is not None and tracker.resume_number > 0:
         recorded = _tags(tracker, required=url is None)
+    if url is None and tracker is None and opts.run_id:
+        raise LaunchError(
+            f"run_id={opts.run_id!r}: that MLflow run could not be resumed (tracking is off "
+            "for this call, see the note above), so where its checkpoints are is unknown and "
+            "the ranks would start from step 0. Try again once the tracking store answers, or "
+            "pass checkpoint_dir= with the run's checkpoint location."
+        )
     if url is None:
         url = recorded.get(TAG_DIR)
         if url is None:
