@@ -41,9 +41,11 @@ def _fn(**opts):
 
 # ---------------------------------------------------------------- item 6: one writer per location
 def test_a_second_call_on_a_running_calls_checkpoint_dir_is_refused(tmp_path):
+    """Refused while the first call runs its second attempt: a restart keeps the location."""
     where, gate = str(tmp_path / "ckpt"), str(tmp_path / "gate")
     fn = _fn(checkpoint_dir=where)(writer_funcs.counts)
-    first = fn.submit(6, gate, 3)
+    marker = str(tmp_path / "killed")
+    first = fn.options(max_restarts=1, restart_backoff=0.1).submit(6, gate, 3, 2, marker)
     try:
         _wait_for(gate + ".reached")
         try:
@@ -59,7 +61,9 @@ def test_a_second_call_on_a_running_calls_checkpoint_dir_is_refused(tmp_path):
         assert checkpoint.latest(where).endswith("step-000000003")
     finally:
         open(gate, "w").close()
-    assert first.result(timeout=100) == [{"start": 0, "w": 6.0, "from": None}]
+    restored = os.path.join(where, "step-000000002")  # the second attempt's start
+    assert first.result(timeout=100) == [{"start": 2, "w": 6.0, "from": restored}]
+    assert os.path.exists(marker)
     # only the first call wrote there: its newest checkpoint is its own last step
     assert checkpoint.latest(where).endswith("step-000000006")
     # once it ended the location is free (its lock file gone): the next call resumes there

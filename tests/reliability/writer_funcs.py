@@ -14,10 +14,15 @@ def _wait(path: str, limit: float = 90.0) -> None:
         time.sleep(0.02)
 
 
-def counts(total: int, gate: str | None = None, at: int = 0) -> dict:
+def counts(
+    total: int, gate: str | None = None, at: int = 0, die_at: int = -1, marker: str = ""
+) -> dict:
     """A Checkpointer on the call's checkpoint_dir (every step saved): ``w`` counts the steps
     done. With ``gate``: once ``at`` steps are done and saved, says so (``<gate>.reached``)
-    and waits for ``gate``. Returns where it started and the final count."""
+    and waits for ``gate``. With ``marker``: the rank SIGKILLs itself once (the marker says
+    it did) when ``die_at`` steps are done. Returns where it started and the final count."""
+    import signal
+
     import torch
     import torch.distributed as dist
 
@@ -28,6 +33,9 @@ def counts(total: int, gate: str | None = None, at: int = 0) -> dict:
     ckpt = gangrun.Checkpointer(state, every=1, async_save=False)
     start = ckpt.restore()
     for step in ckpt.steps(total):
+        if marker and step == die_at and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
         if gate and step == at:  # steps 0..at-1 are done and saved (sync saves)
             open(f"{gate}.reached", "w").close()
             _wait(gate)

@@ -110,3 +110,14 @@ def test_one_manager_per_location_in_a_rank(tmp_path):
     del second
     gc.collect()  # a manager that is gone frees its location too
     location.claim(where, _Manager())
+
+
+def test_a_host_lock_excludes_another_holder_even_in_this_process():
+    from gangrun.hostlock import host_lock
+
+    with host_lock("mlflow-run:abc"):
+        with pytest.raises(LaunchError, match="held its lock .* for over 0.05s"):
+            with host_lock("mlflow-run:abc", timeout=0.05):
+                pass
+    with host_lock("mlflow-run:abc", timeout=0.05):  # free again
+        pass
