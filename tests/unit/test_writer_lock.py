@@ -115,9 +115,11 @@ def test_one_manager_per_location_in_a_rank(tmp_path):
 def test_a_host_lock_excludes_another_holder_even_in_this_process():
     from gangrun.hostlock import host_lock
 
-    with host_lock("mlflow-run:abc"):
-        with pytest.raises(LaunchError, match="held its lock .* for over 0.05s"):
-            with host_lock("mlflow-run:abc", timeout=0.05):
-                pass
+    with (
+        host_lock("mlflow-run:abc"),
+        pytest.raises(LaunchError, match="held its lock .* for over 0.05s"),
+        host_lock("mlflow-run:abc", timeout=0.05),
+    ):
+        pass
     with host_lock("mlflow-run:abc", timeout=0.05):  # free again
         pass
