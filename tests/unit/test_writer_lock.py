@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import uuid
 
 import pytest
@@ -56,6 +57,34 @@ def test_a_dead_callers_lock_is_taken_over(tmp_path):
     held = writer.acquire(str(tmp_path), "call-c", "train")
     assert _lock_file(tmp_path)["call"] == "call-c"
     held.release()
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_many_takers_at_once_one_wins(tmp_path, stale):
+    """Threads of this process (each a call) take one location at the same instant, free or
+    held by a call that ended: exactly one gets it, every other is told who has it."""
+    if stale:
+        rec = writer.record("ended-call", "train", None)
+        (tmp_path / writer.LOCK_NAME).write_text(json.dumps(rec))
+    start = threading.Barrier(8)
+    got, refused = [], []
+
+    def take(i: int) -> None:
+        start.wait()
+        try:
+            got.append(writer.acquire(str(tmp_path), f"call-{i}", "train"))
+        except LaunchError as exc:
+            refused.append(str(exc))
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 1 and len(refused) == 7, refused
+    assert all(f"gangrun call {got[0].call_id}" in msg for msg in refused), refused
+    assert _lock_file(tmp_path)["call"] == got[0].call_id
+    got[0].release()
 
 
 def test_a_call_of_this_process_that_ended_without_giving_it_back_is_taken_over(tmp_path):

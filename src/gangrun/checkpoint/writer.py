@@ -41,7 +41,9 @@ from ..records import pid_namespace
 LOCK_NAME = ".gangrun-writer"
 _TRIES = 5
 _lock = threading.Lock()
-_held: dict[str, str] = {}  # lock path -> the call id of this process holding it
+# lock path -> the calls of this process holding it or about to: registered before the create,
+# so that another thread of this process never takes a just-created lock for a dead one's
+_held: dict[str, set[str]] = {}
 
 
 @dataclass
@@ -52,6 +54,7 @@ class WriterLock:
     path: str  # the lock file, in the store's own spelling
     body: bytes
     storage_options: dict[str, Any]
+    call_id: str
     released: bool = False
 
     def release(self) -> None:
@@ -66,8 +69,7 @@ class WriterLock:
                 if _read(fs, local, self.path) == self.body:  # still ours: remove it
                     _remove(fs, local, self.path)
             finally:
-                with _lock:
-                    _held.pop(self.path, None)
+                _forget(self.path, self.call_id)
 
 
 def _fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, bool]:
@@ -109,11 +111,32 @@ def liveness(rec: dict[str, Any], path: str) -> bool | None:
         pid = int(rec["pid"])
     except (KeyError, TypeError, ValueError):
         return None
-    if process_identity(pid) != rec.get("caller"):
+    ident = process_identity(pid)
+    if ident is None and _exists(pid):
+        return True  # another user's process /proc does not show (hidepid): it is there
+    if ident != rec.get("caller"):
         return False  # that caller is gone (SIGKILLed, a kernel restart)
     if pid == os.getpid():
         with _lock:
-            return _held.get(path) == rec.get("call")
+            return rec.get("call") in _held.get(path, ())
+    return True
+
+
+def _forget(path: str, call_id: str) -> None:
+    with _lock:
+        calls = _held.get(path, set())
+        calls.discard(call_id)
+        if not calls:
+            _held.pop(path, None)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
@@ -126,17 +149,26 @@ def acquire(
 ) -> WriterLock:
     """Take location ``url`` for call ``call_id`` of this process, or raise `LaunchError`
     naming its live holder."""
-    from ..hostlock import host_lock
-
     so = dict(storage_options or {})
     fs, local = _fs(url, so)
     path = lock_path(url, so)
     body = json.dumps(record(call_id, function, mlflow_run_id), sort_keys=True).encode()
+    with _lock:
+        _held.setdefault(path, set()).add(call_id)
+    try:
+        return _take(fs, local, WriterLock(url, path, body, so, call_id))
+    except BaseException:
+        _forget(path, call_id)
+        raise
+
+
+def _take(fs: Any, local: bool, lock: WriterLock) -> WriterLock:
+    from ..hostlock import host_lock
+
+    url, path = lock.url, lock.path
     for _ in range(_TRIES):
-        if _create(fs, local, path, body):
-            with _lock:
-                _held[path] = call_id
-            return WriterLock(url, path, body, so)
+        if _create(fs, local, path, lock.body):
+            return lock
         raw = _read_settled(fs, local, path)
         if raw is None:
             continue  # released meanwhile: try again
