@@ -63,6 +63,7 @@ LAYERS: dict[str, int] = {
     "gangrun.output": PLATFORM,
     "gangrun.accelerators": PLATFORM,
     "gangrun.reservation": PLATFORM,
+    "gangrun.hostlock": PLATFORM,  # short exclusive sections of one user on one host
     "gangrun.tracking": PLATFORM,  # MLflow, caller side (the rank's part: gangrun.rank)
     "gangrun.data": PLATFORM,  # user-facing inside ranks: helpers only
     "gangrun.checkpoint": PLATFORM,  # DCP save/load (gangrun.Checkpointer: gangrun.rank)

@@ -27,7 +27,7 @@ from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale, remove_unrecorded
 from . import calls
 from .attempts import Restarts, annotate
-from .checkpoints import prepare, request_stop
+from .checkpoints import prepare, release_location, request_stop
 from .collect import RankFiles
 from .done import DoneEvent, DoneHook
 from .observers import MlflowObserver, NoticeObserver, Observer, Observers
@@ -44,19 +44,8 @@ from .seams import (
     make_pump,
     start_tracking,
 )
-from .state import (
-    Attempt,
-    CancelRequested,
-    DeadlineReached,
-    Event,
-    HangDetected,
-    LaunchFailed,
-    Outcome,
-    PreemptRequested,
-    RankExited,
-    State,
-    StateMachine,
-)
+from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, LaunchFailed
+from .state import Outcome, PreemptRequested, RankExited, State, StateMachine
 from .watch import watching
 
 if TYPE_CHECKING:
@@ -456,6 +445,7 @@ class Supervisor:
         launch_failed = isinstance(how, LaunchFailed)
         steps: list[tuple[str, Callable[[], None]]] = [
             ("stop the gang", lambda: self._close_gang(stop=True, grace=0.0)),
+            ("release the checkpoint location", lambda: release_location(self.run_id)),
             ("release the GPUs", self._release_gpus),
             ("settle the outcome", lambda: self._settle(state, error)),
         ]

@@ -35,7 +35,7 @@ from ..checkpoint import integrity as _integrity
 from ..checkpoint import is_complete, list_checkpoints, remove
 from ..checkpoint import state as _state
 from ..rundir import RunDir
-from . import progress
+from . import location, progress
 from . import stop as _stop
 
 PREFIX = "step-"
@@ -105,6 +105,7 @@ class Checkpointer:
         self._warned_metrics = False
         self._have: dict[str, set[int]] = {}  # steps the run has, per metric key
         _stop.install()
+        location.claim(self.dir, self)  # a second live manager on this location: an error
 
     # ------------------------------------------------------------------ helpers
     def _setup(self) -> None:
@@ -346,6 +347,7 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        location.release(self.dir, self)
 
     def __enter__(self) -> Checkpointer:
         return self
