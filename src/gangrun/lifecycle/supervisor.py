@@ -44,8 +44,19 @@ from .seams import (
     make_pump,
     start_tracking,
 )
-from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, LaunchFailed
-from .state import Outcome, PreemptRequested, RankExited, State, StateMachine
+from .state import (
+    Attempt,
+    CancelRequested,
+    DeadlineReached,
+    Event,
+    HangDetected,
+    LaunchFailed,
+    Outcome,
+    PreemptRequested,
+    RankExited,
+    State,
+    StateMachine,
+)
 from .watch import watching
 
 if TYPE_CHECKING:
@@ -90,7 +101,9 @@ class Supervisor:
         self.watch, watchers = watching(self)  # progress, DEBUG narration, `gangrun ps/stop`
         self._observers = Observers([*observers, *watchers, MlflowObserver(), NoticeObserver()])
         self._gang_factory, self._pump_factory, self._track = gang_factory, pump_factory, tracking
-        self._machine = StateMachine(self.outcome, self._notify)
+        self._machine = StateMachine(
+            self.outcome, lambda st, _: self._observers.on_transition(st, self)
+        )
         self._restarts = Restarts(options, self)  # the rules: lifecycle/policy.py
         self._attempt = 0
         self._tracker: Tracker | None = None
@@ -482,9 +495,6 @@ class Supervisor:
         res, self._reservation = self._reservation, None
         if res is not None:
             res.release()
-
-    def _notify(self, state: State, outcome: Outcome) -> None:
-        self._observers.on_transition(state, self)
 
 
 __all__ = ["Supervisor", "GangFactory", "Planner", "default_planner"]
