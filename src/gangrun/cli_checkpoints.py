@@ -99,7 +99,25 @@ def _list(ns: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    print(_holder_line(ns.url))
     return EXIT_OK
+
+
+def _holder_line(url: str) -> str:
+    """Who writes to the location now (its one writer: `gangrun.checkpoint.writer`)."""
+    from .checkpoint.writer import holder
+
+    try:
+        rec = holder(url)
+    except Exception as exc:  # unreadable lock file: say so, the listing stands
+        return f"writer: unknown ({type(exc).__name__}: {exc})"
+    if rec is None:
+        return "writer: none (no live call holds this location)"
+    live = rec.get("live")
+    state = "live" if live is True else "dead: the next call takes it over" if live is False else ""
+    state = state or "on another host: cannot be checked from here"
+    who = f"{rec.get('function', '?')} (pid {rec.get('pid', '?')} on {rec.get('host', '?')})"
+    return f"writer: {who}, {state}"
 
 
 __all__ = ["add_checkpoints_command", "cmd_checkpoints"]

@@ -198,7 +198,8 @@ def test_cli_checkpoints_table_and_json(two, capsys):
     assert cli(["checkpoints", two]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["CHECKPOINT", "STEP", "STATE", "SIZE", "TIME"]
-    rows = {line.split()[0]: line for line in lines[1:]}
+    assert lines[-1] == "writer: none (no live call holds this location)"
+    rows = {line.split()[0]: line for line in lines[1:-1]}
     assert list(rows) == ["step-1", "step-2", "step-3"]
     assert rows["step-1"].split()[1:3] == ["1", "complete"]
     assert f"damaged: {rel} is truncated: {size // 2} bytes, {size} recorded" in rows["step-2"]
@@ -215,5 +216,11 @@ def test_cli_checkpoints_table_and_json(two, capsys):
         {"file": rel, "kind": "size", "detail": f"is truncated: {size // 2} bytes, {size} recorded"}
     ]
     assert got[0]["checksums"] is True and got[0]["size"] > 4000
+    from gangrun.checkpoint import writer
+
+    lock = writer.acquire(two, "call-1", "train", None)  # this process holds the location
+    assert cli(["checkpoints", two]) == 0
+    assert "writer: train (pid" in capsys.readouterr().out.splitlines()[-1]
+    lock.release()
     assert cli(["checkpoints", two + "/absent"]) == 1
     assert "is not a directory" in capsys.readouterr().err
