@@ -5,6 +5,7 @@
     gangrun run [...] -m package.module [args...]
     gangrun info [options...] [--json]
     gangrun ps | logs RUN [--rank N] [--follow] | stacks RUN | stop RUN
+    gangrun checkpoints URL [--json] [--checksums]
     gangrun --version
 
 Every option of ``@distributed`` has a flag (``gangrun run --help``); options not given come
@@ -124,7 +125,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         formatter_class=fmt,
     )
     p.add_argument("--version", action="version", version=f"gangrun {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,info,ps,logs,stacks,stop}")
+    sub = p.add_subparsers(
+        dest="cmd", required=True, metavar="{run,info,ps,logs,stacks,stop,checkpoints}"
+    )
     # No abbreviated flags: a prefix would be taken for an option here, or split the
     # command line wrongly (its value taken for the script); a misspelling gets "did you mean".
     run = sub.add_parser(
@@ -154,6 +157,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     from .cli_node import add_node_commands
 
     add_node_commands(sub)  # ps, logs, stacks, stop: this user's calls on this node
+    from .cli_checkpoints import add_checkpoints_command
+
+    add_checkpoints_command(sub)  # a checkpoint location's checkpoints, verified
     return p, run, info
 
 
@@ -169,6 +175,7 @@ EXAMPLES = """examples:
   gangrun ps                                       your running calls on this node
   gangrun logs RUN --rank 1 --follow               a call's output, from another terminal
   gangrun stacks RUN / gangrun stop RUN            its ranks' stacks / stop it
+  gangrun checkpoints s3://bucket/ckpt/run         complete, damaged, partial checkpoints
   gangrun run --help                               every option of run
 """
 RUN_EXAMPLES = f"""durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
@@ -429,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         ns = top.parse_args(args)
         if ns.cmd == "run":  # pragma: no cover - handled above
             return cmd_run(ns, run_parser)
+        if ns.cmd == "checkpoints":
+            from .cli_checkpoints import cmd_checkpoints
+
+            return cmd_checkpoints(ns)
         if ns.cmd != "info":
             from .cli_node import run_node_command
 

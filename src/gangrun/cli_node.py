@@ -5,7 +5,8 @@ record there (``call.json``) and serves a control socket (`gangrun.lifecycle.con
 Only directories and records owned by this uid are read: another user's calls are invisible
 (and their 0700 run directories unreachable anyway), so they can be neither listed nor
 stopped. ``RUN`` is the call's run id (``handle.run_id``, first column of ``gangrun ps``), a
-unique prefix of it, or the call's MLflow run id (or a unique prefix).
+unique prefix of it, or the call's MLflow run id (or a unique prefix). ``ps`` shows, under a
+call's row, the checkpoint location it holds (one writer per location: docs/long_runs.md).
 
 ``stop`` asks the caller to cancel the call: the same teardown as ``handle.cancel()`` in the
 caller (every rank and descendant stopped, ``DistributedCancelledError`` naming who stopped
@@ -181,8 +182,11 @@ def cmd_ps(ns: argparse.Namespace) -> int:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
+    for row, call in zip(rows, [None, *calls], strict=True):
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+        held = call.rec.get("checkpoint_dir") if call is not None and call.running else None
+        if held:  # one writer per location: this call holds it (docs/long_runs.md)
+            print(f"  checkpoints: {held} (held by this call)")
     return EXIT_OK
 
 

@@ -31,13 +31,14 @@ POLL_S = 0.1
 _pick_lock = threading.Lock()
 
 
-def lock_dir() -> str:
-    """The private directory holding this user's GPU lock files (created 0700, verified)."""
+def lock_dir(name: str = "gangrun-gpus") -> str:
+    """The private directory holding this user's GPU lock files (created 0700, verified);
+    ``name``: another such directory (`gangrun.hostlock`)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
-        path = os.path.join(runtime, "gangrun-gpus")
+        path = os.path.join(runtime, name)
     else:
-        path = os.path.join(tempfile.gettempdir(), f"gangrun-gpus-{os.getuid()}")
+        path = os.path.join(tempfile.gettempdir(), f"{name}-{os.getuid()}")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -45,7 +46,7 @@ def lock_dir() -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise LaunchError(
-            f"The GPU reservation directory {path} is not a private directory of this user "
+            f"The lock directory {path} is not a private directory of this user "
             f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to use it. "
             "Remove it, or set XDG_RUNTIME_DIR to a private directory."
         )

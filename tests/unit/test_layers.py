@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "gangrun.cli_options": API,
     "gangrun.cli_support": API,
     "gangrun.cli_node": API,  # gangrun ps/logs/stacks/stop
+    "gangrun.cli_checkpoints": API,  # gangrun checkpoints URL
     "gangrun.cli_status": API,  # gangrun run's status line
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API
@@ -62,6 +63,7 @@ LAYERS: dict[str, int] = {
     "gangrun.output": PLATFORM,
     "gangrun.accelerators": PLATFORM,
     "gangrun.reservation": PLATFORM,
+    "gangrun.hostlock": PLATFORM,  # short exclusive sections of one user on one host
     "gangrun.tracking": PLATFORM,  # MLflow, caller side (the rank's part: gangrun.rank)
     "gangrun.data": PLATFORM,  # user-facing inside ranks: helpers only
     "gangrun.checkpoint": PLATFORM,  # DCP save/load (gangrun.Checkpointer: gangrun.rank)

@@ -71,6 +71,7 @@ def test_restore_onto_another_size_says_so_and_refuses_a_deepspeed_engine(tmp_pa
     )
     loader.sampler.set_epoch(2)
     assert len(list(loader)) == 2  # the 12 samples of epoch 2 the 2 ranks had not read
+    ckpt.close()
 
     class Engine:  # what classify takes for a DeepSpeed engine: its module and save API
         loaded = False

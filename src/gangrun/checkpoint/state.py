@@ -206,6 +206,17 @@ def saved_world(url: str, storage_options: Mapping[str, Any] | None = None) -> i
     return sum(1 for k in keys if k.startswith(prefix)) or 1
 
 
+def saved_world_or_none(url: str | None, storage_options: Mapping[str, Any]) -> int | None:
+    """`saved_world`, or ``None`` (no checkpoint, or its metadata unreadable: the load that
+    follows then fails on every rank alike, not this rank alone)."""
+    if not url:
+        return None
+    try:
+        return saved_world(url, storage_options)
+    except Exception:
+        return None
+
+
 def blob_key(rank: int, saved: int | None = None) -> str:
     """The blob rank ``rank`` restores: its own, or rank ``rank mod saved``'s on another
     world size (see the module docstring)."""
@@ -308,4 +319,5 @@ __all__ = [
     "rng_state",
     "save_dict",
     "saved_world",
+    "saved_world_or_none",
 ]

@@ -2,8 +2,10 @@
 
 * `prepare`: before any rank starts, resolve where the call's checkpoints live (the
   ``checkpoint_dir`` option, or the location the resumed MLflow run recorded), prove it can be
-  written, refuse a resumed run whose recorded checkpoints are gone, record it on the run;
-  returns the ranks' environment.
+  written, take it (one writer per location: `gangrun.checkpoint.writer`; a live call holding
+  it is a LaunchError), refuse a resumed run whose recorded checkpoints are gone or all
+  damaged, record it on the run; returns the ranks' environment. `release_location` gives the
+  location back when the call ends (the supervisor's one teardown); its restarts keep it.
 * `request_stop`: a preemption (``handle.cancel(checkpoint=True)``, SIGTERM to the
   caller): ask the ranks to checkpoint and stop through the run directory; if they have not
   all stopped within ``grace_period`` the call is cancelled as usual.
@@ -26,6 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import contract
+from ..checkpoint.writer import WriterLock, acquire
 from ..errors import DistributedPreemptedError, LaunchError
 from ..rundir import RunDir
 
@@ -38,6 +41,10 @@ class Supervisor(Protocol):
     """What checkpoints need of the call (`lifecycle.supervisor.Supervisor`, which imports
     this module): its options and MLflow run, its run directory, and its end."""
 
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def fn_name(self) -> str: ...
     @property
     def opts(self) -> Options: ...
     @property
@@ -56,6 +63,8 @@ log = logging.getLogger("gangrun.lifecycle.checkpoints")
 TAG_DIR = "gangrun.checkpoint_dir"
 TAG_LATEST = "gangrun.checkpoint_latest"  # written by rank 0 after each commit (rank/checkpointer)
 _MARGIN_S = 2.0  # beyond grace_period: a rank's exit and the caller's reading of it
+_held_lock = threading.Lock()
+_held: dict[str, WriterLock] = {}  # call run id -> the location it holds
 
 
 def _normalise(url: str) -> str:
@@ -87,25 +96,49 @@ def prepare(sup: Supervisor) -> dict[str, str]:
     url = opts.checkpoint_dir
     recorded: dict[str, str] = {}
     if tracker is not None and tracker.resume_number > 0:
-        recorded = _tags(tracker)
+        recorded = _tags(tracker, required=url is None)
+    if url is None and tracker is None and opts.run_id:
+        raise LaunchError(
+            f"run_id={opts.run_id!r}: that MLflow run could not be resumed (tracking is off "
+            "for this call, see the note above), so where its checkpoints are is unknown and "
+            "the ranks would start from step 0. Try again once the tracking store answers, or "
+            "pass checkpoint_dir= with the run's checkpoint location."
+        )
     if url is None:
         url = recorded.get(TAG_DIR)
         if url is None:
             return {}
     url = _normalise(url)
     check_writable(url)
+    mlflow_id = None if tracker is None else str(tracker.run_id)
+    lock = acquire(url, sup.run_id, sup.fn_name, mlflow_id)  # a live holder: a LaunchError
+    try:
+        env = _prepare_held(sup, url, recorded)
+    except BaseException:
+        lock.release()
+        raise
+    with _held_lock:
+        _held[sup.run_id] = lock
+    return env
+
+
+def _prepare_held(sup: Supervisor, url: str, recorded: dict[str, str]) -> dict[str, str]:
+    tracker = sup.tracker
     last = recorded.get(TAG_LATEST)
     if last and recorded.get(TAG_DIR, "").rstrip("/") == url.rstrip("/"):
-        from ..checkpoint import latest
+        from ..checkpoint import integrity, latest
 
+        run = f"MLflow run {tracker.run_id if tracker else ''}"
         if latest(url) is None:
             raise LaunchError(
-                f"MLflow run {tracker.run_id if tracker else ''} recorded checkpoints in {url} "
-                f"(the last one {last}), but no complete checkpoint is there now: they were "
-                "deleted or moved. Starting at step 0 would silently redo the training; pass "
-                "checkpoint_dir= with their new location, or a fresh checkpoint_dir= to start "
-                "over."
+                f"{run} recorded checkpoints in {url} (the last one {last}), but no complete "
+                "checkpoint is there now: they were deleted or moved. Starting at step 0 would "
+                "silently redo the training; pass checkpoint_dir= with their new location, or a "
+                "fresh checkpoint_dir= to start over."
             )
+        valid, damaged = integrity.newest_valid(url)  # listings and sizes: no data is read
+        if valid is None:
+            raise LaunchError(f"{run} cannot resume: {integrity.no_valid_message(url, damaged)}")
     if tracker is not None:
         try:
             tracker.client.set_tag(tracker.run_id, TAG_DIR, url)
@@ -116,10 +149,36 @@ def prepare(sup: Supervisor) -> dict[str, str]:
     return {contract.CHECKPOINT_DIR: url}
 
 
-def _tags(tracker: Tracker) -> dict[str, str]:
+def release_location(run_id: str) -> None:
+    """Give back the checkpoint location call ``run_id`` holds (none: nothing to do)."""
+    with _held_lock:
+        lock = _held.pop(run_id, None)
+    if lock is not None:
+        lock.release()
+
+
+def location(run_id: str) -> str | None:
+    """The checkpoint location call ``run_id`` of this process holds (for `gangrun ps`)."""
+    with _held_lock:
+        lock = _held.get(run_id)
+    return None if lock is None else lock.url
+
+
+def _tags(tracker: Tracker, required: bool) -> dict[str, str]:
+    """The resumed run's tags as they were when this call took it (`Tracker.resumed_tags`).
+    ``required``: they alone say where the checkpoints are, so not reading them is a
+    LaunchError (the ranks would otherwise start with no checkpoint location)."""
+    if tracker.resumed_tags is not None:
+        return dict(tracker.resumed_tags)
     try:
         return dict(tracker.client.get_run(tracker.run_id).data.tags)
     except Exception as exc:
+        if required:
+            raise LaunchError(
+                f"MLflow run {tracker.run_id} is resumed, but its tags (where its checkpoints "
+                f"are) could not be read: {type(exc).__name__}: {exc}. Try again, or pass "
+                "checkpoint_dir= with the run's checkpoint location."
+            ) from None
         log.warning("could not read the resumed run's tags: %s", exc)
         return {}
 
@@ -259,6 +318,8 @@ def install_sigterm() -> None:
 
 __all__ = [
     "prepare",
+    "release_location",
+    "location",
     "check_writable",
     "request_stop",
     "preempted_error",

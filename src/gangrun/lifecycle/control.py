@@ -5,8 +5,8 @@ call of this process writes, into its private run directory (0700):
 
 ``call.json`` (0600, replaced atomically at each transition)
     run id, function, ranks and their pids, GPUs, start time, state, attempt, the MLflow run,
-    the log directory, and the caller: pid, process identity, and what it is (a Jupyter
-    kernel, ``gangrun run``, or a Python script).
+    the log directory, the checkpoint location it holds, and the caller: pid, process
+    identity, and what it is (a Jupyter kernel, ``gangrun run``, or a Python script).
 ``control`` (a Unix socket, 0600)
     served by one thread of the caller for the call's lifetime. A request is one JSON line:
     ``{"op": "stop"}`` cancels the call exactly as ``handle.cancel()`` does (the same
@@ -32,6 +32,7 @@ from typing import Any
 
 from ..platform import process_identity
 from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
+from .checkpoints import location
 from .observers import CallView, Observer
 from .state import State
 
@@ -100,6 +101,7 @@ class ControlObserver(Observer):
             "mlflow_run_id": None if tracker is None else tracker.run_id,
             "tracking_uri": None if tracker is None else tracker.tracking_uri,
             "experiment_id": None if tracker is None else tracker.experiment_id,
+            "checkpoint_dir": location(call.run_id),  # the location it holds (one writer)
             "caller_pid": run.owner_pid,
             "caller": process_identity(run.owner_pid),
             "caller_kind": self.kind,

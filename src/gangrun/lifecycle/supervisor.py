@@ -27,7 +27,7 @@ from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale, remove_unrecorded
 from . import calls
 from .attempts import Restarts, annotate
-from .checkpoints import prepare, request_stop
+from .checkpoints import prepare, release_location, request_stop
 from .collect import RankFiles
 from .done import DoneEvent, DoneHook
 from .observers import MlflowObserver, NoticeObserver, Observer, Observers
@@ -101,7 +101,9 @@ class Supervisor:
         self.watch, watchers = watching(self)  # progress, DEBUG narration, `gangrun ps/stop`
         self._observers = Observers([*observers, *watchers, MlflowObserver(), NoticeObserver()])
         self._gang_factory, self._pump_factory, self._track = gang_factory, pump_factory, tracking
-        self._machine = StateMachine(self.outcome, self._notify)
+        self._machine = StateMachine(
+            self.outcome, lambda st, _: self._observers.on_transition(st, self)
+        )
         self._restarts = Restarts(options, self)  # the rules: lifecycle/policy.py
         self._attempt = 0
         self._tracker: Tracker | None = None
@@ -456,6 +458,7 @@ class Supervisor:
         launch_failed = isinstance(how, LaunchFailed)
         steps: list[tuple[str, Callable[[], None]]] = [
             ("stop the gang", lambda: self._close_gang(stop=True, grace=0.0)),
+            ("release the checkpoint location", lambda: release_location(self.run_id)),
             ("release the GPUs", self._release_gpus),
             ("settle the outcome", lambda: self._settle(state, error)),
         ]
@@ -492,9 +495,6 @@ class Supervisor:
         res, self._reservation = self._reservation, None
         if res is not None:
             res.release()
-
-    def _notify(self, state: State, outcome: Outcome) -> None:
-        self._observers.on_transition(state, self)
 
 
 __all__ = ["Supervisor", "GangFactory", "Planner", "default_planner"]

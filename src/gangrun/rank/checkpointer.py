@@ -31,10 +31,11 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 from .. import contract
-from ..checkpoint import is_complete, latest, list_checkpoints, remove
+from ..checkpoint import integrity as _integrity
+from ..checkpoint import is_complete, list_checkpoints, remove
 from ..checkpoint import state as _state
 from ..rundir import RunDir
-from . import progress
+from . import location, progress
 from . import stop as _stop
 
 PREFIX = "step-"
@@ -104,6 +105,7 @@ class Checkpointer:
         self._warned_metrics = False
         self._have: dict[str, set[int]] = {}  # steps the run has, per metric key
         _stop.install()
+        location.claim(self.dir, self)  # a second live manager on this location: an error
 
     # ------------------------------------------------------------------ helpers
     def _setup(self) -> None:
@@ -164,14 +166,16 @@ class Checkpointer:
             self.state, self._entries = state, None
         self._setup()
         e = self._classify(fresh=True)
-        found = latest(self.dir, **self.storage_options) if self._rank == 0 else None
-        # how many ranks saved it: another world size restores by the rule of state.py
-        saved = _state.saved_world(found, self.storage_options) if found else None
+        # rank 0 picks the newest *valid* checkpoint (warns of damaged ones it skips), and
+        # reads how many ranks saved it: another world size restores by the rule of state.py
+        choice = _integrity.choose(self.dir, **self.storage_options) if self._rank == 0 else None
+        saved = _state.saved_world_or_none(getattr(choice, "url", None), self.storage_options)
         dist = _dist()
         if dist is not None and self._world > 1:
-            box: list[Any] = [found, saved]
+            box: list[Any] = [choice, saved]
             dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
-            found, saved = box
+            choice, saved = box
+        found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
         self._restored = True
         if found is None:
             self.step = 0
@@ -348,6 +352,7 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        location.release(self.dir, self)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -65,6 +65,7 @@ class Tracker:
         self.experiment_name: str | None = None
         self.parent_run_id: str | None = None
         self.resume_number = 0  # 0: a run of its own; N: the Nth call that resumed this run
+        self.resumed_tags: dict[str, str] | None = None  # a resumed run's, when it was taken
         self._monitor: Any = None
         self._finished = False
         self.call_id = ""  # the gangrun call holding the run's lease (tracking/lease.py)
@@ -180,16 +181,15 @@ class Tracker:
             where = ("run_id=" if plan.resume_source == "run_id=" else "MLFLOW_RUN_ID=") + repr(
                 run_id
             )
-            lease.check(resume, where)  # a live call's run: refused before anything changes
-            client.set_tag(run_id, lease.TAG_LEASE, tags.pop(lease.TAG_LEASE))
-            lease.check(client.get_run(run_id), where)  # another call won a race for it
-            lease.hold(call_id)
-            tracker = cls(client, run_id, plan.experiment_id, plan.tracking_uri)
-            tracker.call_id = call_id
-            half.append(tracker)
-            tracker.resume_number = int(resume.data.tags.get(TAG_RESUMES, "0") or 0) + 1
-            # back to RUNNING first: from here on finish() ends it whatever happens
-            client.update_run(run_id, status="RUNNING", name=plan.run_name)
+            with lease.exclusive(run_id):  # check, take, verify: one call of this host at once
+                resume = lease.take(client, run_id, tags.pop(lease.TAG_LEASE), call_id, where)
+                tracker = cls(client, run_id, plan.experiment_id, plan.tracking_uri)
+                tracker.call_id = call_id
+                tracker.resumed_tags = dict(resume.data.tags)  # where its checkpoints are
+                half.append(tracker)
+                tracker.resume_number = int(resume.data.tags.get(TAG_RESUMES, "0") or 0) + 1
+                # back to RUNNING first: from here on finish() ends it whatever happens
+                client.update_run(run_id, status="RUNNING", name=plan.run_name)
             for key in _ERROR_TAGS:  # the failed attempt's error no longer describes the run
                 if key in resume.data.tags:
                     client.delete_tag(run_id, key)

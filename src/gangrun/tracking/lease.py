@@ -14,10 +14,19 @@ log the same steps into one run and the second would end it under the first.
   this one, while the call named in the tag has not finished here;
 * another host: it cannot be checked from here, so it counts as live; the message says how to
   take the run over when that call is known to be dead.
+
+Taking the run (`take`: check, write the tag, read it back) runs under `exclusive`, a lock of
+this host (`gangrun.hostlock`), together with the run's return to ``RUNNING``: two calls of
+one user on one host never both take a run, however close together they resume it. Calls on
+two hosts are told apart by the read-back alone (the tag is then another call's: refused);
+two that write and read back in the same instant on two hosts can still both take it. A
+resumed run with checkpoints is exclusive across hosts too: its checkpoint location is
+taken atomically in the storage itself (`gangrun.checkpoint.writer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -79,6 +88,30 @@ def holder(run: Any) -> dict[str, Any] | None:
     return lease
 
 
+def exclusive(run_id: str) -> contextlib.AbstractContextManager[None]:
+    """The section of this host in which run ``run_id`` is taken (see the module)."""
+    from ..hostlock import host_lock
+
+    return host_lock(f"mlflow-run:{run_id}")
+
+
+def take(client: Any, run_id: str, mine: str, call_id: str, where: str) -> Any:
+    """Take run ``run_id`` for call ``call_id`` (``mine``: its `value`), under `exclusive`:
+    the run as read back once it is this call's; a LaunchError naming its live holder."""
+    check(client.get_run(run_id), where)  # a live call's run: refused before anything changes
+    client.set_tag(run_id, TAG_LEASE, mine)
+    run = client.get_run(run_id)
+    if run.data.tags.get(TAG_LEASE) != mine:  # a call on another host wrote its own meanwhile
+        check(run, where)
+        raise LaunchError(
+            f"{where}: another call took that MLflow run at the same moment as this one. Two "
+            "calls in one run would log the same steps and end it under each other; resume it "
+            "once that call has ended."
+        )
+    hold(call_id)
+    return run
+
+
 def check(run: Any, where: str) -> None:
     """Raise [`LaunchError`][gangrun.errors.LaunchError] when a live call uses ``run``."""
     lease = holder(run)
@@ -104,4 +137,4 @@ def check(run: Any, where: str) -> None:
     )
 
 
-__all__ = ["TAG_LEASE", "value", "hold", "release", "holder", "check"]
+__all__ = ["TAG_LEASE", "value", "hold", "release", "holder", "check", "exclusive", "take"]
