@@ -233,7 +233,10 @@ def _opts(cfg: Config, **opts: Any) -> dict[str, Any]:
 
 
 def _fn(cfg: Config, **opts: Any) -> Any:
-    return gangrun.distributed(**_opts(cfg, **opts))(resume_fns.train)
+    # one fork server for every call of this process (a caller subprocess preloads mlflow
+    # only when it tracks: it starts its own server)
+    opts = {**_opts(cfg, **opts), "forkserver": {"preload": [*PRELOAD, "mlflow"]}}
+    return gangrun.distributed(**opts)(resume_fns.train)
 
 
 def _trace(root: Path, world: int) -> dict[int, list[dict]]:
