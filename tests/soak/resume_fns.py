@@ -287,3 +287,21 @@ def train(cfg: dict[str, Any], data: str, trace: str) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def plain_loader_in_state(where: str) -> None:
+    """A plain ``DataLoader`` put in the state as it is (no wrapper)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gangrun
+
+    dist.init_process_group("gloo")
+    loader = DataLoader(
+        TensorDataset(torch.zeros(4, 1)),
+        batch_size=2,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    gangrun.Checkpointer({"loader": loader}, dir=where).restore()
