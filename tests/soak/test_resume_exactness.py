@@ -7,8 +7,8 @@ SIGKILLed and restarted by ``max_restarts``; the caller SIGKILLed, then a fresh 
 ``DistributedPreemptedError`` prints; ``handle.cancel(checkpoint=True)``, then its resume
 line; two of these in one run), at which step (any; the draw favours the steps just before
 and after a save and an epoch boundary), the loader (``VolumeDataset.loader()``,
-``TableDataset.loader()``, a plain shuffled ``DataLoader`` with its own generator behind a
-user's stateful wrapper), ``num_workers`` 0-3, shuffle on/off, world size 1-3, ``every`` /
+``TableDataset.loader()``, the state holding the loader or its dataset; a plain shuffled
+``DataLoader`` with its own generator behind a user's stateful wrapper), ``num_workers`` 0-3, shuffle on/off, world size 1-3, ``every`` /
 ``every_seconds``, ``keep``, async or sync saves, MLflow on or off. The training is
 `resume_fns.train`; each rank traces every step it runs (replays too), and the test compares
 every traced step, the final parameters and plain values, and (MLflow on) the run's loss
@@ -67,9 +67,9 @@ KINDS = ("rank_kill", "caller_kill", "sigterm", "cancel")
 LOADERS = ("volume", "table", "plain")
 TOL3 = (1e-5, 1e-7)  # (rtol, atol) for losses and parameters of DDP over 3 ranks
 CALL_TIMEOUT = 180.0
-# DDP's constructor imports torch._dynamo (about 3 s per rank on a loaded 2-core machine),
-# the manager's MLflow logging mlflow: preloaded in the fork server, a call of the training
-# takes about 1 s instead of 4 (MLflow off), 3-5 s instead of 8-10 (on).
+# DDP's constructor imports torch._dynamo (about 3 s per rank on a loaded 2-core machine)
+# and the manager's metric logging imports mlflow: preloaded in the fork server, a call of
+# the training takes about 1 s instead of 4 (MLflow off), 3-5 s instead of 8-10 (on).
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint"]
 
 
@@ -603,6 +603,22 @@ COVERING = {
         hold="dataset",
     ),
 }
+
+
+def test_draws_are_reproducible_and_well_formed():
+    cfgs = [draw(seed) for seed in range(2000)]
+    for c in cfgs:
+        assert c == draw(c.seed) and Config.from_json(c.to_json()) == c
+        steps = [e.step for e in c.events]
+        assert steps == sorted(steps) and all(0 <= s < c.total for s in steps), c
+        if len(steps) == 2 and c.events[0].kind in ("sigterm", "cancel"):
+            assert steps[1] > steps[0], c  # the preemption saved the step after it
+        assert c.every or c.every_seconds, c
+    assert {e.kind for c in cfgs for e in c.events} == set(KINDS)
+    assert {(c.loader, c.workers, c.world) for c in cfgs} == {
+        (ld, nw, w) for ld in LOADERS for nw in range(4) for w in (1, 2, 3)
+    }
+    assert {e.step for c in cfgs for e in c.events} == set(range(TOTAL))
 
 
 def test_covering_slice_covers_every_dimension():
