@@ -2,8 +2,7 @@
 
 `train` is a training written as a user writes one from docs/long_runs.md: a small MLP with
 dropout under DDP, AdamW + StepLR, a loader (`VolumeDataset`'s, `TableDataset`'s, or a plain
-``DataLoader`` with its own generator behind the small stateful wrapper a user writes, since
-gangrun saves no plain ``DataLoader``), plain values that change as it trains (``epoch`` and
+``DataLoader`` with its own generator, put in the state as it is), plain values that change as it trains (``epoch`` and
 ``best`` reassigned, ``epoch_ends`` appended to), one ``gangrun.Checkpointer`` over all of it,
 and the loss logged through the manager on every rank, as the recipe does.
 
@@ -77,41 +76,6 @@ def decode_rows(raw: bytes) -> Any:
     return iter(list(rows))
 
 
-class ResumableLoader:
-    """What a user writes to checkpoint a plain ``DataLoader`` (gangrun saves none): the
-    loader's generator as the current pass started, and the batches handed out since. On
-    restore the pass is drawn again from that generator state and its first batches skipped:
-    exact for a map-style dataset, whatever the worker count (batches arrive in order)."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.pass_start: Any = None
-        self.taken = 0
-        self._resume: dict[str, Any] | None = None
-
-    def __iter__(self) -> Any:
-        skip = 0
-        if self._resume is not None:
-            self.loader.generator.set_state(self._resume["pass_start"])
-            skip = int(self._resume["taken"])
-            self._resume = None
-        self.pass_start = self.loader.generator.get_state().clone()
-        self.taken = 0
-        for n, batch in enumerate(self.loader):
-            if n < skip:
-                continue
-            self.taken = n + 1
-            yield batch
-        self.taken = max(self.taken, skip)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"pass_start": self.pass_start, "taken": self.taken}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["pass_start"] is not None:
-            self._resume = dict(state)
-
-
 def _loader(cfg: dict[str, Any], data: str, rank: int) -> tuple[Any, Any, Any]:
     """(the loader, what the state holds of it: the loader, or with ``cfg["hold"] ==
     "dataset"`` its dataset, the dataset's ``set_epoch`` or None)."""
@@ -143,8 +107,7 @@ def _loader(cfg: dict[str, Any], data: str, rank: int) -> tuple[Any, Any, Any]:
         num_workers=nw,
         generator=torch.Generator().manual_seed(7 + rank),
     )
-    wrapped = ResumableLoader(plain)
-    return wrapped, wrapped, None
+    return plain, plain, None  # in the state as it is: the manager records its position
 
 
 def _xy(cfg: dict[str, Any], batch: Any) -> tuple[Any, Any]:
@@ -290,7 +253,7 @@ def train(cfg: dict[str, Any], data: str, trace: str) -> dict[str, Any]:
 
 
 def plain_loader_in_state(where: str) -> None:
-    """A plain ``DataLoader`` put in the state as it is (no wrapper)."""
+    """A plain ``DataLoader`` shuffled by torch's global generator, put in the state."""
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
@@ -298,10 +261,5 @@ def plain_loader_in_state(where: str) -> None:
     import gangrun
 
     dist.init_process_group("gloo")
-    loader = DataLoader(
-        TensorDataset(torch.zeros(4, 1)),
-        batch_size=2,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(0),
-    )
+    loader = DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2, shuffle=True)
     gangrun.Checkpointer({"loader": loader}, dir=where).restore()

@@ -172,15 +172,17 @@ def test_covering(name, resume_session, tmp_path, script):
     assert not got.problems, got.report()
 
 
-def test_plain_dataloader_in_the_state_is_refused(tmp_path):
-    """What gangrun saves of a plain ``DataLoader``: nothing; it is refused by name (it has
-    no ``state_dict``), hence the user's wrapper `resume_fns.ResumableLoader` above."""
+def test_plain_dataloader_shuffled_by_the_global_generator_is_refused(tmp_path):
+    """A plain ``DataLoader`` is resumed exactly when it has a generator of its own (the
+    configurations above put one in the state as it is); one that shuffles with torch's
+    global generator cannot be, and is refused naming the fix."""
     fn = gangrun.distributed(processes=1, timeout=120, mlflow=False)(
         resume_fns.plain_loader_in_state
     )
     with pytest.raises(gangrun.DistributedError) as info:
         fn.distributed(str(tmp_path / "ckpt"))
-    assert "state['loader']" in str(info.value) and "no state to save" in str(info.value)
+    assert "state['loader'] is a DataLoader" in str(info.value)
+    assert "generator=torch.Generator()" in str(info.value)
 
 
 # ------------------------------------------------------------------------------ tier 2: soak
