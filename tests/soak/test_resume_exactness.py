@@ -81,7 +81,7 @@ COVERING = {
     "table-w2-nw3-cancel-odd": Config(
         "table", 3, True, 2, (_ev("cancel", 8),), every=3, keep=1, mlflow=True, hold="dataset"
     ),
-    # plain DataLoader behind a user's wrapper; SIGTERM to the caller at an epoch's last
+    # a plain DataLoader in the state as it is; SIGTERM to the caller at an epoch's last
     # step; sync saves; resumed by the checkpoint_dir= resume line
     "plain-w2-nw1-sigterm-epoch": Config(
         "plain", 1, True, 2, (_ev("sigterm", 5),), every=4, async_save=False
