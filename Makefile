@@ -7,6 +7,9 @@
 #                 (tests/conftest.py UNIT_BUDGET_S) are printed at the end
 #   make docs   - the documentation (MkDocs + mkdocstrings) into ./site, warnings as errors
 #   make dist   - wheel and sdist into ./dist
+#   make soak   - the fault-injection soak (1000 runs, a fresh seed)
+#   make soak-resume - resume exactness: 300 drawn trainings interrupted and continued, each
+#                 compared bitwise with its uninterrupted run (tests/soak/test_resume_exactness.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +18,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: demo test test-unit test-fast soak lint typecheck bench venv clean docs dist
+.PHONY: demo test test-unit test-fast soak soak-resume lint typecheck bench venv clean docs dist
 
 venv: $(STAMP)
 
@@ -44,6 +47,10 @@ test-fast: $(STAMP)
 soak: $(STAMP)
 	GANGRUN_SOAK_RUNS=$${GANGRUN_SOAK_RUNS:-1000} GANGRUN_SOAK_SEED=$${GANGRUN_SOAK_SEED:-$$(od -An -N3 -tu4 /dev/urandom | tr -d " ")} \
 		$(PY) -m pytest -q -s -m soak tests/soak
+
+soak-resume: $(STAMP)
+	GANGRUN_RESUME_RUNS=$${GANGRUN_RESUME_RUNS:-300} GANGRUN_RESUME_SEED=$${GANGRUN_RESUME_SEED:-$$(od -An -N3 -tu4 /dev/urandom | tr -d " ")} \
+		$(PY) -m pytest -q -s -m soak tests/soak/test_resume_exactness.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples bench

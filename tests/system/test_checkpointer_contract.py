@@ -116,3 +116,16 @@ def test_every_rank_logs_each_step_once_and_a_loop_left_early_loses_none(tmp_pat
     # resumed from the step-10 checkpoint, the run redoes steps 10-12: still once each
     train.options(run_id=run_id).distributed(16, None)
     assert _history(run_id, "loss") == [(s, s * 10.0) for s in range(16)]
+
+
+def test_a_tracking_error_does_not_stop_the_training_and_keeps_the_metrics(
+    tmp_path, monkeypatch, capfd
+):
+    # a run the store does not have: every MLflow call for it fails
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
+    ckpt = gangrun.Checkpointer({"w": torch.zeros(1)}, every=2, dir=str(tmp_path / "c"))
+    for step in ckpt.steps(5):
+        ckpt.log_metrics({"loss": float(step)}, step)
+    assert "could not log" in capfd.readouterr().err
+    assert sorted(s for s, _, _ in ckpt._metrics) == [0, 1, 2, 3, 4]  # kept, not lost

@@ -396,23 +396,37 @@ class Checkpointer:
     def _log(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
         """Log ``entries`` but the (key, step) pairs the run has already: a step that an
         earlier attempt logged and this one redid (after a restore, or a loop left early and
-        resumed) is in the run once."""
+        resumed) is in the run once. A tracking error does not stop the training: what was
+        not logged stays buffered (and travels in the next checkpoint) for the next flush."""
         client, run_id = self._client()
         if client is None:
             return
         from mlflow.entities import Metric
 
-        batch = []
-        for s, ms, m in entries:
-            for k, v in m.items():
-                have = self._have.get(k)
-                if have is None:
-                    have = self._have[k] = {x.step for x in client.get_metric_history(run_id, k)}
-                if s not in have:
-                    have.add(s)
-                    batch.append(Metric(k, v, ms, s))
-        for i in range(0, len(batch), 1000):
-            client.log_batch(run_id, metrics=batch[i : i + 1000])
+        todo = [(s, ms, k, v) for s, ms, m in entries for k, v in m.items()]
+        done = 0
+        try:
+            for k in {t[2] for t in todo}:
+                if k not in self._have:
+                    self._have[k] = {x.step for x in client.get_metric_history(run_id, k)}
+            todo = [t for t in todo if t[0] not in self._have[t[2]]]
+            for i in range(0, len(todo), 1000):
+                chunk = todo[i : i + 1000]
+                client.log_batch(run_id, metrics=[Metric(k, v, ms, s) for s, ms, k, v in chunk])
+                for s, _, k, _ in chunk:
+                    self._have[k].add(s)
+                done = i + len(chunk)
+        except Exception as exc:  # tracking must not stop the training
+            left: dict[tuple[int, int], dict[str, float]] = {}
+            for s, ms, k, v in todo[done:]:
+                left.setdefault((s, ms), {})[k] = v
+            kept = [(s, ms, m) for (s, ms), m in left.items()] + self._metrics
+            self._metrics = sorted(kept, key=lambda e: (e[0], e[1]))
+            print(
+                f"gangrun: could not log {len(todo) - done} metric value(s) to MLflow run "
+                f"{run_id} ({type(exc).__name__}: {exc}); kept for the next flush.",
+                file=sys.stderr,
+            )
 
     def _replay_metrics(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
         # Metrics the checkpoint covered but whose flush the previous attempt may not have
