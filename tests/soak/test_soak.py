@@ -153,8 +153,14 @@ def _gangrun_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("gangrun")]
 
 
+# a user's lock directories, made once and kept on purpose (gangrun.reservation.lock_dir)
+_KEPT = ("gangrun-gpus-", "gangrun-locks-")
+
+
 def _run_dirs(tmp: str) -> list[str]:
-    return sorted(p for p in os.listdir(tmp) if p.startswith("gangrun-"))
+    return sorted(
+        p for p in os.listdir(tmp) if p.startswith("gangrun-") and not p.startswith(_KEPT)
+    )
 
 
 def _settle(check, wait: float = 5.0):
