@@ -154,7 +154,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     info.add_argument(
         "--check",
         action="store_true",
-        help="exit 1 when a GANGRUN_* variable is rejected (its value cannot be used)",
+        help=f"exit 1 when a {contract.PREFIX}* variable is rejected (its value cannot be used)",
     )
     from .cli_node import add_node_commands
 
@@ -189,7 +189,7 @@ examples:
 INFO_EXAMPLES = """examples:
   gangrun info
   gangrun info --processes 4 --json
-  gangrun info --check          exit 1 when a GANGRUN_* variable's value is rejected
+  gangrun info --check          exit 1 when a variable's value is rejected
 """
 
 
