@@ -195,11 +195,27 @@ def leftovers() -> list[str]:
     reap_stale(_SESSION_TMP, force=True)
     reap_node_leftovers(_SESSION_TMP)
     left = [
-        os.path.join(_SESSION_TMP, name)
+        os.path.join(_SESSION_TMP, name) + _whose(os.path.join(_SESSION_TMP, name))
         for name in sorted(os.listdir(_SESSION_TMP))
         if name.startswith("gangrun-") and not name.startswith("gangrun-gpus-")
     ]
     return left + sorted(_files_under(HOME_CACHE) - _HOME_CACHE_BEFORE)
+
+
+def _whose(path: str) -> str:
+    """A run directory's call, to find the test that left it: `` (fn, state, caller)``."""
+    import json
+
+    from gangrun.platform import process_identity
+
+    try:
+        with open(os.path.join(path, "call.json")) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    pid = int(rec.get("caller_pid") or 0)
+    alive = "alive" if process_identity(pid) == rec.get("caller") else "gone"
+    return f" (call of {rec.get('function')}, {rec.get('state')}, caller {pid} {alive})"
 
 
 _left: list[str] = []
