@@ -2,6 +2,9 @@
 
 Every test that starts rank processes is checked afterwards: no process that carries this
 test process as its gangrun caller (``GANGRUN_CALLER_PID``) may survive, descendants included.
+At the end the session fails when it left files behind: gangrun's directories in its temp dir
+(``TMPDIR`` is the session's own directory, for every process it starts) or anything new
+under ``~/.cache/gangrun`` (`leftovers`).
 
 What a new test can lean on (see also ``tests/fakes.py``, the process-free stand-ins):
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,17 +52,28 @@ def _remove_session_tmp(path: str, owner: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _session_tmp() -> str:
+def _session_tmp() -> tuple[str, bool]:
+    """The session's directory, and whether this process made it (the session itself)."""
     inherited = os.environ.get(_TMP_VAR, "")
     if inherited and os.path.isdir(inherited):
-        return inherited
+        return inherited, False
     path = tempfile.mkdtemp(prefix="gangrun-tests-")
     os.environ[_TMP_VAR] = path
     atexit.register(_remove_session_tmp, path, os.getpid())
-    return path
+    return path, True
 
 
-_SESSION_TMP = _session_tmp()
+_SESSION_TMP, _OWNER = _session_tmp()
+if _OWNER:
+    # The temp dir of the session and of every process it starts: the run directories, the
+    # logs a failed `gangrun run` keeps, GPU lock files... land here, where the leak check
+    # (`leftovers`) looks at the end, and go with the directory. `tmp_path` stays where
+    # pytest keeps it (its paths are no longer than before).
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ["TMPDIR"] = _SESSION_TMP
+    tempfile.tempdir = None  # read TMPDIR again (pytest's capture files already read it)
+# gangrun.data's file cache: not the user's ~/.cache/gangrun/data
+os.environ["GANGRUN_CACHE_DIR"] = os.path.join(_SESSION_TMP, "data-cache")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP}/mlflow.db"
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(_SESSION_TMP, "torch_extensions"))
@@ -68,6 +83,18 @@ os.environ["PYTHONPATH"] = str(SRC) + (
 )
 
 
+# --------------------------------------------------------------------- SIGINT, even when ignored
+def restore_sigint() -> None:
+    """``make test &``, ``nohup``, cron and some CI runners start the session with SIGINT
+    ignored; Python then keeps it ignored (no ``KeyboardInterrupt``), and so does every
+    process the session starts, so the tests that interrupt a call (``interrupt_main``, a
+    SIGINT to a ``gangrun run`` or a kernel) would wait out their timeouts. The session
+    restores Python's own handler: the processes it then starts get SIGINT's default again
+    (a caught signal is reset by ``exec``), and forked ones the handler."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # ----------------------------------------------------------------------- MLflow off by default
 MLFLOW_VAR = env_var("mlflow")  # GANGRUN_MLFLOW: the default of the option ``mlflow``
 
@@ -75,6 +102,7 @@ MLFLOW_VAR = env_var("mlflow")  # GANGRUN_MLFLOW: the default of the option ``ml
 def pytest_configure(config: pytest.Config) -> None:
     # Here, not at import: ranks that import this module again keep their caller's setting.
     os.environ[MLFLOW_VAR] = "0"
+    restore_sigint()
     config.addinivalue_line(
         "markers", "mlflow: the test tracks with MLflow (GANGRUN_MLFLOW is unset for it)"
     )
@@ -134,7 +162,63 @@ def pids_alive(pids) -> list[int]:
 @pytest.fixture(autouse=True)
 def no_leaked_processes():
     yield
+    fakes = sys.modules.get("fakes")
+    if fakes is not None:  # supervisors a unit test made: their run directories go
+        fakes.release_all()
     assert_no_survivors()
+
+
+# ------------------------------------------------------------------------ no files left behind
+HOME_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "gangrun")
+
+
+def _files_under(top: str) -> set[str]:
+    return {os.path.join(d, n) for d, dirs, files in os.walk(top) for n in dirs + files}
+
+
+_HOME_CACHE_BEFORE = _files_under(HOME_CACHE) if _OWNER else set()
+
+
+def leftovers() -> list[str]:
+    """What the session left that it should not have: gangrun's directories in its temp dir
+    (run directories, kept logs, Ray actors' and gangs' directories; not the GPU lock and
+    host-lock directories, which are kept by design, nor what gangrun reaps itself), and
+    anything new under ``~/.cache/gangrun``."""
+    import gc
+
+    from gangrun.launch.ray.actor import reap_node_leftovers
+    from gangrun.rundir import reap_stale
+
+    gc.collect()  # a dropped handle's run directory goes with it
+    # what gangrun's next call would remove is not left behind: the run directories of
+    # callers that died (tests SIGKILL callers on purpose) and of Ray actors that are gone
+    reap_stale(_SESSION_TMP, force=True)
+    reap_node_leftovers(_SESSION_TMP)
+    left = [
+        os.path.join(_SESSION_TMP, name) + _whose(os.path.join(_SESSION_TMP, name))
+        for name in sorted(os.listdir(_SESSION_TMP))
+        if name.startswith("gangrun-") and not name.startswith(("gangrun-gpus-", "gangrun-locks-"))
+    ]
+    return left + sorted(_files_under(HOME_CACHE) - _HOME_CACHE_BEFORE)
+
+
+def _whose(path: str) -> str:
+    """A run directory's call, to find the test that left it: `` (fn, state, caller)``."""
+    import json
+
+    from gangrun.platform import process_identity
+
+    try:
+        with open(os.path.join(path, "call.json")) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    pid = int(rec.get("caller_pid") or 0)
+    alive = "alive" if process_identity(pid) == rec.get("caller") else "gone"
+    return f" (call of {rec.get('function')}, {rec.get('state')}, caller {pid} {alive})"
+
+
+_left: list[str] = []
 
 
 def run_bounded(
@@ -260,9 +344,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     budget = session.config.getoption("--unit-budget")
     if _unit_total() > budget and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _OWNER:
+        _left[:] = leftovers()
+        if _left and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    if _left:
+        terminalreporter.write_sep("-", "files left behind", red=True)
+        for path in _left[:20]:
+            terminalreporter.write_line(f"  {path}")
+        terminalreporter.write_line(
+            f"FAILED: the session left {len(_left)} file(s) or directories of gangrun's (in "
+            "its temp dir, or under ~/.cache/gangrun): a run that keeps its logs needs "
+            "--log-dir (or TMPDIR) under tmp_path, a dataset cache_dir= under tmp_path.",
+            red=True,
+        )
     if not _unit_seconds:
         return
     budget = config.getoption("--unit-budget")

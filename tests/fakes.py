@@ -12,6 +12,9 @@ code above it runs unchanged, in milliseconds, with nothing started:
   restart policy and outcome record; `call` starts a supervised call on it.
 - `FakeServer`: a fork server for `gangrun.launch.forkserver.client.Registry`.
 
+A `Supervisor` made here (or given to `track`) is released after the test, as a dropped
+handle would be: its run directory is real.
+
 Hardware we lack (NVML, GPU names) is mocked where it is used, not here.
 """
 
@@ -282,6 +285,22 @@ def fn() -> None:
     pass
 
 
+MADE: list[Supervisor] = []  # the supervisors of the running test (their run directories)
+
+
+def track(sup: Supervisor) -> Supervisor:
+    """Release ``sup`` after the test (`release_all`), as a dropped handle would: its run
+    directory is real and goes only then."""
+    MADE.append(sup)
+    return sup
+
+
+def release_all() -> None:
+    """Release every supervisor the test made (conftest calls it after each test)."""
+    while MADE:
+        MADE.pop().release()
+
+
 def supervisor(
     options: Options,
     gang_factory: Callable[[GangSpec, object, queue.Queue], FakeGang],
@@ -291,17 +310,19 @@ def supervisor(
 ) -> Supervisor:
     """A real `Supervisor` (not started) whose gangs come from ``gang_factory``: no planner,
     no output pump, no processes."""
-    return Supervisor(
-        fn,
-        (),
-        {},
-        options,
-        stdout=io.StringIO(),
-        stderr=io.StringIO(),
-        gang_factory=gang_factory,  # type: ignore[arg-type]
-        planner=lambda f, opts: (Plan(n), None),
-        pump_factory=lambda *a: FakePump(),  # type: ignore[arg-type,return-value]
-        observers=observers or (),
+    return track(
+        Supervisor(
+            fn,
+            (),
+            {},
+            options,
+            stdout=io.StringIO(),
+            stderr=io.StringIO(),
+            gang_factory=gang_factory,  # type: ignore[arg-type]
+            planner=lambda f, opts: (Plan(n), None),
+            pump_factory=lambda *a: FakePump(),  # type: ignore[arg-type,return-value]
+            observers=observers or (),
+        )
     )
 
 

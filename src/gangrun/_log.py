@@ -18,18 +18,11 @@ import os
 import threading
 
 from .contract import LOG_LEVEL as ENV
+from .settings import log_level
 
 ROOT = "gangrun"
 _configured = False
 _lock = threading.Lock()
-
-
-def _level(text: str) -> int | None:
-    text = text.strip()
-    if text.lstrip("-").isdigit():
-        return int(text)
-    level = logging.getLevelName(text.upper())
-    return level if isinstance(level, int) else None
 
 
 def configure(force: bool = False) -> logging.Logger:
@@ -49,7 +42,7 @@ def configure(force: bool = False) -> logging.Logger:
             root.setLevel(logging.NOTSET)  # the level was ours too
         raw = os.environ.get(ENV, "").strip()
         if raw:
-            level = _level(raw)
+            level = log_level(raw)
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("gangrun %(levelname)s %(name)s: %(message)s"))
             root.setLevel(logging.WARNING if level is None else level)
@@ -58,7 +51,7 @@ def configure(force: bool = False) -> logging.Logger:
         # Without it: no handler (not even a NullHandler, which would silence the last-resort
         # handler and with it every warning of an application that configured no logging).
         _configured = True
-        if raw and _level(raw) is None:
+        if raw and log_level(raw) is None:
             root.warning(
                 "%s=%r is not a log level (DEBUG, INFO, WARNING, ERROR or a number); using WARNING",
                 ENV,

@@ -3,7 +3,7 @@
     gangrun run [--gpus N | --gpus I,J | --processes N] [--timeout 2h] [every option...]
                 script.py [args...]
     gangrun run [...] -m package.module [args...]
-    gangrun info [options...] [--json]
+    gangrun info [options...] [--json] [--check]
     gangrun ps | logs RUN [--rank N] [--follow] | stacks RUN | stop RUN
     gangrun checkpoints URL [--json] [--checksums]
     gangrun --version
@@ -154,6 +154,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     )
     add_option_flags(info)
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 when a {contract.PREFIX}* variable is rejected (its value cannot be used)",
+    )
     from .cli_node import add_node_commands
 
     add_node_commands(sub)  # ps, logs, stacks, stop: this user's calls on this node
@@ -191,6 +196,7 @@ examples:
 INFO_EXAMPLES = """examples:
   gangrun info
   gangrun info --processes 4 --json
+  gangrun info --check          exit 1 when a variable's value is rejected
 """
 
 
@@ -296,6 +302,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
     from .cli_options import options_from_args, speak_cli
     from .errors import DistributedError
     from .lifecycle.plan import plan_local, rank_specs
+    from .security import redact
 
     devs = accelerators.detect()
     usage = accelerators.gpu_usage() if devs else None
@@ -322,12 +329,21 @@ def cmd_info(ns: argparse.Namespace) -> int:
     rank_env: dict[str, str] | None = None
     note = None
     opts = None
+    rejected: list[str] = []  # what --check fails on
     try:
         opts, sources = _defaults.resolve_with_sources(options_from_args(ns))
         report["options"] = option_rows(opts, sources)
     except DistributedError as exc:
         note = speak_cli(exc)
+        rejected.append(note)
     report["settings"] = setting_rows()
+    for var, row in report["settings"].items():
+        if "rejected" in row:
+            bad = row["rejected"]
+            rejected.append(
+                f"{var}={bad['value']!r} is rejected ({bad['why']}): "
+                f"the built-in {row['value']} is in force"
+            )
     if opts is not None and opts.backend == "ray":
         note = "backend ray: LOCAL_RANK, NODE_RANK, MASTER_ADDR and devices are set per node"
     elif opts is not None:
@@ -344,16 +360,20 @@ def cmd_info(ns: argparse.Namespace) -> int:
             want = plan.gpus_wanted
             devices = plan.devices[:want] if isinstance(want, int) else plan.devices
             env = rank_specs(plan, shown, run_dir="<run dir>", devices=devices)[0].env
-            rank_env = {k: env[k] for k in _SHOWN if k in env}
+            rank_env = {k: redact(env[k]) for k in _SHOWN if k in env}  # never a password
             report["world_size"] = plan.world_size
         except DistributedError as exc:
             note = speak_cli(exc)
     report["rank0_env"] = rank_env
     if note:
         report["note"] = note
+    status = 1 if ns.check and rejected else 0
+    if status:
+        for line in rejected:
+            print(f"gangrun info --check: {line}", file=sys.stderr)
     if ns.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return status
     print(f"gangrun {report['gangrun']} (python {report['python']}, {report['cpus']} CPUs)")
     libs = ", ".join(f"{k} {report.get(k) or '-'}" for k in ("torch", "mlflow", "ray", "deepspeed"))
     print(f"libraries: {libs}")
@@ -377,7 +397,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
             print(f"  {k}={v}")
     if note:
         print(f"note: {note}")
-    return 0
+    return status
 
 
 def _split_run(

@@ -4,9 +4,12 @@ A call is found through its private run directory in the temp dir: the caller ke
 record there (``call.json``) and serves a control socket (`gangrun.lifecycle.control`).
 Only directories and records owned by this uid are read: another user's calls are invisible
 (and their 0700 run directories unreachable anyway), so they can be neither listed nor
-stopped. ``RUN`` is the call's run id (``handle.run_id``, first column of ``gangrun ps``), a
-unique prefix of it, or the call's MLflow run id (or a unique prefix). ``ps`` shows, under a
-call's row, the checkpoint location it holds (one writer per location: docs/long_runs.md).
+stopped. ``RUN`` is the call's run id (``handle.run_id``, first column of ``gangrun ps``) or
+its MLflow run id, or a unique prefix of either of at least 4 characters (as git's short ids);
+a blank, shorter or ambiguous ``RUN`` is a usage error (exit 2) that says what lists the ids,
+or which calls it matches. ``ps`` shows,
+under a call's row, the checkpoint location it holds (one writer per location:
+docs/long_runs.md).
 
 ``stop`` asks the caller to cancel the call: the same teardown as ``handle.cancel()`` in the
 caller (every rank and descendant stopped, ``DistributedCancelledError`` naming who stopped
@@ -100,19 +103,37 @@ class Unknown(Exception):
     pass
 
 
+class Usage(Unknown):
+    """The ``RUN`` given cannot name one call (blank, too short, ambiguous): exit 2."""
+
+
+MAX_TIMEOUT_S = 3600.0  # --timeout of stacks and stop
+MIN_PREFIX = 4  # a shorter prefix would name a call by chance (as git's short ids)
+_LISTS_IDS = "gangrun ps lists the run ids of your running calls (gangrun ps --all: ended ones too)"
+
+
 def resolve(run: str, calls: list[CallRef]) -> CallRef:
-    """The call ``run`` names: run id, unique prefix, MLflow run id (or unique prefix)."""
+    """The call ``run`` names: its run id or MLflow run id, or a unique prefix of one of
+    them of at least `MIN_PREFIX` characters. Blank, too short or ambiguous: `Usage`."""
+    want = run.strip()
+    if not want:
+        raise Usage(f"an empty run id ({run!r}) names no call; {_LISTS_IDS}")
     for c in calls:
-        if run in (c.run_id, c.mlflow_run_id):
+        if want in (c.run_id, c.mlflow_run_id):  # (an empty MLflow run id matches nothing)
             return c
-    hits = [c for c in calls if c.run_id.startswith(run) or c.mlflow_run_id.startswith(run)]
-    if len(hits) == 1 and run:
+    if len(want) < MIN_PREFIX:
+        raise Usage(
+            f"{want!r} is too short to name a call: give at least {MIN_PREFIX} characters of "
+            f"its run id; {_LISTS_IDS}"
+        )
+    hits = [c for c in calls if any(i.startswith(want) for i in (c.run_id, c.mlflow_run_id))]
+    if len(hits) == 1:
         return hits[0]
-    if len(hits) > 1 and run:
-        ids = ", ".join(c.run_id for c in hits)
-        raise Unknown(f"{run!r} matches several calls ({ids}): give more of the run id")
+    if hits:
+        ids = ", ".join(f"{c.run_id} ({c.rec.get('function') or '?'})" for c in hits)
+        raise Usage(f"{want!r} matches {len(hits)} calls: {ids}; give more of the run id")
     raise Unknown(
-        f"no call of yours on this node matches {run!r} (gangrun ps lists them; another "
+        f"no call of yours on this node matches {want!r} (gangrun ps lists them; another "
         "user's calls are neither shown nor stopped)"
     )
 
@@ -257,7 +278,8 @@ def _still_running(c: CallRef) -> bool:
 
 
 def cmd_stacks(ns: argparse.Namespace, c: CallRef) -> int:
-    reply = _ask(c, {"op": "stacks"}, timeout=ns.timeout + 10)
+    # the caller waits at most ns.timeout for the dumps; the socket allows for its answer
+    reply = _ask(c, {"op": "stacks", "timeout": ns.timeout}, timeout=ns.timeout + 10)
     got = reply.get("stacks") or {}
     if not got:
         print(f"gangrun: {c.run_id}: no live rank answered (still starting, or ending)")
@@ -286,7 +308,7 @@ def add_node_commands(sub: Any) -> None:
     ps = sub.add_parser("ps", help="this user's running calls on this node")
     ps.add_argument("--all", action="store_true", help="also calls that ended (files kept)")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
-    run_help = "run id (gangrun ps), a unique prefix, or the MLflow run id"
+    run_help = "run id (gangrun ps), its MLflow run id, or a unique prefix (4+ characters)"
     logs = sub.add_parser("logs", help="a call's rank output (every rank, or --rank N)")
     logs.add_argument("run", metavar="RUN", help=run_help)
     logs.add_argument("--rank", type=int, default=None, help="only this rank")
@@ -313,6 +335,14 @@ def run_node_command(ns: argparse.Namespace) -> int:
 def _dispatch(ns: argparse.Namespace) -> int:
     if ns.cmd == "ps":
         return cmd_ps(ns)
+    wait = getattr(ns, "timeout", None)
+    if wait is not None and not 0 < wait <= MAX_TIMEOUT_S:
+        print(
+            f"gangrun {ns.cmd}: --timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} "
+            f"seconds, got {wait:g}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         calls = find_calls()
         if ns.cmd == "logs":
@@ -324,7 +354,7 @@ def _dispatch(ns: argparse.Namespace) -> int:
         return cmd_stacks(ns, c) if ns.cmd == "stacks" else cmd_stop(ns, c)
     except Unknown as exc:
         print(f"gangrun {ns.cmd}: {exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
+        return EXIT_USAGE if isinstance(exc, Usage) else EXIT_NOT_FOUND
 
 
 __all__ = ["COMMANDS", "CallRef", "add_node_commands", "find_calls", "resolve", "run_node_command"]

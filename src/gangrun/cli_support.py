@@ -92,10 +92,15 @@ def with_log_paths(text: str, files: dict[int, str], run_id: str, kept: bool) ->
 
 
 def print_rows(rows: list[tuple[str, dict[str, Any]]]) -> None:
-    """``gangrun info``'s rows: name, value (JSON), where it comes from."""
+    """``gangrun info``'s rows: name, value (JSON), where it comes from; a rejected
+    variable's value and why, beside the value in force."""
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
-        print(f"  {k:<{width}}  {json.dumps(v['value']):<24} {v['source']}")
+        line = f"  {k:<{width}}  {json.dumps(v['value']):<24} {v['source']}"
+        bad = v.get("rejected")
+        if bad:
+            line += f" (env {k}={json.dumps(bad['value'])} rejected: {bad['why']})"
+        print(line)
 
 
 def option_rows(opts: Any, sources: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -132,16 +137,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def setting_rows() -> dict[str, dict[str, Any]]:
-    """The caller's process settings (`gangrun.contract.SETTINGS`): value and source."""
-    from . import contract
+    """The caller's process settings (`gangrun.contract.SETTINGS`): the value in force and
+    its source; a variable whose value was rejected also has ``rejected`` (value, why)."""
+    from . import settings
 
-    return {
-        var: {
-            "value": os.environ.get(var, default),
-            "source": f"env {var}" if var in os.environ else "built-in",
-        }
-        for var, (default, _) in contract.SETTINGS.items()
-    }
+    return {var: s.row() for var, s in settings.read_all().items()}
 
 
 __all__ = [

@@ -7,12 +7,17 @@ write. A run directory or file that fails the check is never loaded.
 Log directories (``log_dir=``, often in a shared place) are created with
 `make_private_dir`, which never follows a symlink another user could have planted, and
 log files are opened with `open_log` (``O_NOFOLLOW``, owner-only).
+
+Secrets in URIs (``http://alice:PASSWORD@host``, which MLflow accepts as a tracking URI):
+`redact` replaces the password (or a bare ``token@``) with ``***`` in any text gangrun
+prints, logs or writes into a call's record; `credentials` splits them off for a request.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections import deque
 from typing import Any, BinaryIO
@@ -220,8 +225,45 @@ def open_log(path: str) -> BinaryIO:
     return os.fdopen(fd, "ab", buffering=0)  # type: ignore[return-value]
 
 
+# scheme://user:password@ or scheme://token@ (the password may hold '@': up to the last one
+# of the authority, as urllib and requests read it)
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/@:?#]*)(?::([^\s/?#]*))?@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@`` in it replaced by
+    ``***`` (``http://alice:***@host``), and a bare ``scheme://token@`` by ``***@``."""
+    if "@" not in text:
+        return text
+
+    def hide(m: re.Match[str]) -> str:
+        scheme, user, password = m.group(1), m.group(2), m.group(3)
+        return f"{scheme}{user}:***@" if password is not None else f"{scheme}***@"
+
+    return _USERINFO.sub(hide, text)
+
+
+def credentials(uri: str) -> tuple[str, str | None, str | None]:
+    """``(uri without its user:password@ part, user, password)`` (percent-decoded; ``None``
+    when the URI has none)."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri, None, None
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return uri, None, None
+    user, colon, password = userinfo.partition(":")
+    clean = urlunsplit(parts._replace(netloc=host))
+    return clean, unquote(user), unquote(password) if colon else None
+
+
 __all__ = [
     "UnsafePathError",
+    "credentials",
+    "redact",
     "check_private_dir",
     "check_private_file",
     "load_private",

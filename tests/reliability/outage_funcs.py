@@ -90,3 +90,16 @@ def fills_then_raises() -> int:
         raise RuntimeError("rank 1 gives up " + "x" * 100000)  # a record too big to fit
     time.sleep(60)
     return 0
+
+
+def logs_and_reads_its_call_record() -> str:
+    """Logs a metric to the call's run and returns the caller's ``call.json`` as it is now
+    (what ``gangrun ps --json`` shows)."""
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    mlflow.log_metric(f"cred{rank}", 1.0, step=0)
+    with open(os.path.join(os.environ["GANGRUN_RUN_DIR"], "call.json")) as f:
+        return f.read()

@@ -7,6 +7,7 @@ was accepted and ended the run under the first)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import textwrap
@@ -16,7 +17,7 @@ import pytest
 from outage_funcs import logs_through_an_outage, quick, waits_for
 
 import gangrun
-from conftest import assert_no_survivors
+from conftest import assert_no_survivors, run_python
 from gangrun import LaunchError
 from mlflow_server import MlflowServer, free_port
 
@@ -97,6 +98,67 @@ def test_item1_finish_requests_are_bounded_when_the_server_hangs(server, tmp_pat
     both = "".join(capsys.readouterr())
     assert f"the MLflow run {handle.mlflow_run_id} could not be finished" in both, both[-2000:]
     assert took < 45, took
+
+
+CREDENTIALS_CALLER = """
+import glob, json, os, sys, gangrun
+from outage_funcs import logs_and_reads_its_call_record, quick
+
+good, down, logs = sys.argv[1:4]
+os.environ["MLFLOW_TRACKING_URI"] = down  # nothing listens there: runs untracked, says so
+assert gangrun.distributed(processes=2, timeout=90)(quick).submit(1).result(60) == [1, 2]
+os.environ["MLFLOW_TRACKING_URI"] = good
+fn = gangrun.distributed(processes=2, timeout=90, log_dir=logs)(logs_and_reads_its_call_record)
+h = fn.submit()
+records = h.result(60)
+print("RESULT " + json.dumps({"mlflow_run_id": h.mlflow_run_id, "records": records}))
+"""
+
+
+def test_item31_credentials_in_the_uri_are_used_and_never_shown(live_server, tmp_path):
+    """Issue 31 item 3. Before: the probe took ``alice:PASSWORD@127.0.0.1`` for the host, so
+    the call ran untracked, and the note printed the password. Now the server is probed with
+    the credentials as HTTP basic authentication (a server without auth accepts any), the call
+    is tracked, and no output, DEBUG narration, rank log or ``call.json`` holds the password."""
+    assert live_server.alive()
+    secret = "Pa55-w0rd-never-shown"
+    good = live_server.url.replace("http://", f"http://alice:{secret}@")
+    down = f"http://alice:{secret}@127.0.0.1:{free_port()}"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = run_python(
+        CREDENTIALS_CALLER,
+        good,
+        down,
+        str(tmp_path / "logs"),
+        env={
+            "GANGRUN_LOG_LEVEL": "DEBUG",
+            "PYTHONPATH": here + os.pathsep + os.environ["PYTHONPATH"],
+            "MLFLOW_RUN_ID": None,
+            "MLFLOW_EXPERIMENT_ID": None,
+        },
+        cwd=tmp_path,
+        timeout=180,
+    )
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-3000:]
+    assert secret not in both, [ln for ln in both.splitlines() if secret in ln]
+    redacted = "http://alice:***@127.0.0.1:"
+    note = next(ln for ln in proc.stdout.splitlines() if "tracking is off" in ln)
+    assert f"tracking server {redacted}" in note and "cannot be reached" in note, note
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    run_id = result["mlflow_run_id"]
+    assert run_id, both[-3000:]  # tracked, with the credentials URI
+    assert f"{redacted}{live_server.port}/#/experiments/" in proc.stdout  # the run's link
+    for record in result["records"]:
+        assert secret not in record
+        assert json.loads(record)["tracking_uri"] == f"{redacted}{live_server.port}"
+    logs = [p for p in (tmp_path / "logs").rglob("*") if p.is_file()]
+    assert logs
+    for log in logs:
+        assert secret not in log.read_text(errors="replace"), log
+    run = mlflow.MlflowClient(tracking_uri=live_server.url).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert {"cred0", "cred1"} <= set(run.data.metrics)
 
 
 def test_item1_server_killed_mid_call_results_come_back(server, tmp_path, capsys):

@@ -8,10 +8,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import assert_no_survivors
+from conftest import assert_no_survivors, run_python
 
 SCRIPT = """
 import os, sys
@@ -124,6 +125,31 @@ def test_interrupt_exit_code(tmp_path, train):
     proc.send_signal(signal.SIGINT)
     code, out, err = finish(proc)
     assert code == 130, err
+
+
+IGNORING_SIGINT = """
+import signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `make test &`, nohup or cron start a job
+sys.exit(subprocess.call([sys.executable, "-m", "pytest", *sys.argv[1:]]))
+"""
+
+
+def test_interrupt_tests_pass_in_a_session_started_with_sigint_ignored():
+    """Issue 31 item 10: under an ignored SIGINT the interrupt tests failed after their
+    timeouts (Python keeps an inherited SIG_IGN); the conftest restores the handler."""
+    root = Path(__file__).resolve().parents[2]
+    inner = run_python(
+        IGNORING_SIGINT,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=50",
+        "tests/system/test_core.py::test_keyboard_interrupt_in_caller",
+        "tests/system/test_cli.py::test_interrupt_exit_code",
+        cwd=root,
+        timeout=200,
+    )
+    assert inner.returncode == 0 and "2 passed" in inner.stdout, inner.stdout[-3000:]
 
 
 def test_run_module(tmp_path):

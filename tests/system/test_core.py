@@ -147,15 +147,21 @@ def test_timeout(tmp_path):
 
 def test_keyboard_interrupt_in_caller(tmp_path):
     f = run2(rankfns.sleeper)
-    timer = threading.Timer(1.5, _thread.interrupt_main)
-    timer.start()
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            f.distributed(str(tmp_path))
-    finally:
-        timer.cancel()
-    assert time.monotonic() - t0 < 15
+    when: list[float] = []
+
+    def interrupt_once_both_run() -> None:  # (a fixed delay raced a cold fork server)
+        deadline = time.monotonic() + 60
+        while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        when.append(time.monotonic())
+        _thread.interrupt_main()
+
+    t = threading.Thread(target=interrupt_once_both_run, daemon=True)
+    t.start()
+    with pytest.raises(KeyboardInterrupt):
+        f.distributed(str(tmp_path))
+    t.join(5)
+    assert time.monotonic() - when[0] < 15
     assert len(pids_in(tmp_path)) == 2 and not pids_alive(pids_in(tmp_path))
 
 

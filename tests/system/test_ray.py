@@ -287,6 +287,8 @@ def test_cli_on_ray_exit_code(cluster, tmp_path):
         + [cluster.address, "--processes", "2", "--no-mlflow"]
         + ["--env", "GANGRUN_RAY_STRATEGY=STRICT_SPREAD", "train.py", "3"],
         cwd=str(tmp_path),
+        # the logs the failed run keeps (gangrun-logs-*) go under the test's tmp_path
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -297,6 +299,7 @@ def test_cli_on_ray_exit_code(cluster, tmp_path):
     assert "[rank 0] rank 0 on node 0 argv=['3']" in out
     assert "[rank 1] rank 1 on node 1 argv=['3']" in out
     assert "Rank 1" in err and "exited with code 3" in err
+    assert f"Full logs: {tmp_path}/gangrun-logs-" in err, err
 
 
 def test_more_than_the_cluster_has_is_a_launch_error(cluster):

@@ -237,6 +237,56 @@ def test_ps_logs_stacks_stop_against_a_script_call(tmp_path):
     assert_no_survivors(run.pid)
 
 
+DEAF_SCRIPT = """
+import signal, time, gangrun
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # replaces gangrun's stack dump: never answers
+for step in range(1, 100000):
+    gangrun.report_step(step)
+    time.sleep(0.05)
+"""
+
+
+def test_a_blank_or_short_run_id_stops_nothing_and_stacks_honours_its_timeout(tmp_path):
+    """Issue 31 items 1-2. Before: ``gangrun stop ""`` stopped this call (an ``mlflow=False``
+    call's MLflow run id is empty, and so "matched"), and ``stacks --timeout 1`` waited the
+    caller's own 5 s for a rank that does not answer."""
+    (tmp_path / "deaf.py").write_text(textwrap.dedent(DEAF_SCRIPT))
+    run = subprocess.Popen(
+        [sys.executable, "-m", "gangrun", "run", "--processes", "2", "--no-mlflow", "deaf.py"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        rec = wait_listed(run.pid)
+        rid = rec["run_id"]
+        assert not rec["mlflow_run_id"]  # the empty id every untracked call has
+        for cmd, blank in [("stop", ""), ("stop", "  "), ("logs", ""), ("stacks", "")]:
+            r = cli(cmd, blank)
+            assert r.returncode == 2, (cmd, blank, r.stdout, r.stderr)
+            assert "empty run id" in r.stderr and "gangrun ps lists the run ids" in r.stderr
+        short = cli("stop", rid[:3])
+        assert short.returncode == 2 and "at least 4 characters" in short.stderr, short.stderr
+        assert cli("stop", "--timeout", "-1", rid).returncode == 2
+        assert run.poll() is None and wait_listed(run.pid)["run_id"] == rid  # still running
+        t0 = time.monotonic()
+        st = cli("stacks", rid, "--timeout", "1")
+        took = time.monotonic() - t0
+        assert st.returncode == 0, st.stderr
+        assert st.stdout.count("(no stack dump: the rank did not answer SIGUSR1)") == 2, st.stdout
+        assert took < 4.0, f"stacks --timeout 1 took {took:.1f} s"  # before: 5 s + start-up
+        stop = cli("stop", rid[:4])  # 4 characters, unique: enough
+        assert stop.returncode == 0 and f"stopped {rid}" in stop.stdout, stop.stderr
+        run.communicate(timeout=60)
+        assert run.returncode == 130
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+    assert_no_survivors(run.pid)
+
+
 SLOW_SCRIPT = """
 import os, sys, time, gangrun
 rank, steps = int(os.environ["RANK"]), int(sys.argv[1])

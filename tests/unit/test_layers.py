@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "gangrun.options": PLATFORM,  # the typed settings record every layer reads
     "gangrun.progress_view": PLATFORM,  # progress records and their formatting
     "gangrun._log": PLATFORM,
+    "gangrun.settings": PLATFORM,  # the process settings, each read by one parser
     "gangrun._compat_imports": PLATFORM,
     "gangrun.errors": PLATFORM,  # a leaf: the notebook registers the HTML renderer
     "gangrun.serialization": PLATFORM,

@@ -14,7 +14,7 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from fakes import FakeGang, FakePump, both_return, call, fn
+from fakes import FakeGang, FakePump, both_return, call, fn, track
 from gangrun.api import Options
 from gangrun.errors import DistributedError, LaunchError
 from gangrun.launch import GangSpec
@@ -101,7 +101,7 @@ def _supervised(script, *observers: Observer, tracking=None, lines=(), **opts) -
         observers=list(observers),
     )  # fmt: skip
     sup.gangs = gangs  # type: ignore[attr-defined]
-    return sup
+    return track(sup)
 
 
 def test_every_hook_is_called_directly_in_order():

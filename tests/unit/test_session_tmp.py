@@ -47,3 +47,41 @@ def test_the_unit_tier_fails_past_its_time_budget(tmp_path):
     assert over.returncode == 1 and "1 passed" in over.stdout, over.stdout + over.stderr
     assert re.search(r"unit tier: \d+\.\d s of its 0\.1 s budget", over.stdout), over.stdout
     assert "over its budget of 0.1 s" in over.stdout
+
+
+LEAKS = """
+import os, tempfile
+
+def test_leaves_files():
+    tempfile.mkdtemp(prefix="gangrun-logs-abc-")  # as a failed `gangrun run` keeps its logs
+    os.makedirs(os.path.join(tempfile.gettempdir(), "gangrun-gpus-0"))  # kept by design
+    cache = os.path.expanduser("~/.cache/gangrun/data")
+    os.makedirs(cache)
+    open(os.path.join(cache, "entry"), "w").close()
+"""
+
+
+def test_a_session_that_leaves_files_fails_naming_them(tmp_path):
+    """Issue 31 item 19: the leak check also covers directories and files, in the session's
+    temp dir (every process it starts uses it) and under ~/.cache/gangrun."""
+    tests = tmp_path / "tests"
+    (tests / "unit").mkdir(parents=True)  # (a unit test: no MLflow store made for it)
+    (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tests / "unit" / "test_leaks.py").write_text(LEAKS)
+    home = tmp_path / "home"
+    home.mkdir()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"]
+    env: dict[str, str | None] = {
+        "GANGRUN_TEST_SESSION_TMP": None,  # a session of its own, as `make test` starts
+        "TMPDIR": str(tmp_path),
+        "HOME": str(home),
+        "PYTEST_DEBUG_TEMPROOT": str(tmp_path),
+    }
+    inner = run_bounded([*cmd, str(tests)], cwd=tmp_path, env=env, timeout=120)
+    out = inner.stdout
+    assert inner.returncode == 1 and "1 passed" in out, out + inner.stderr
+    assert "files left behind" in out and "left 3 file(s)" in out, out
+    assert re.search(r"gangrun-tests-\w+/gangrun-logs-abc-\w+\n", out), out
+    assert f"{home}/.cache/gangrun/data/entry" in out, out
+    assert f"{home}/.cache/gangrun/data\n" in out, out
+    assert "gangrun-gpus-0" not in out, out

@@ -198,6 +198,47 @@ def test_info_shows_every_setting_and_its_source(monkeypatch, capsys):
         )
 
 
+def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, capsys):
+    """Issue 31 item 4: unusable values were listed as in force (source "env") while the
+    defaults were used; now the value in force is the default, the rejected value and why
+    are beside it, and ``info --check`` fails on them."""
+    from gangrun.cli import main
+    from gangrun.lifecycle import watch
+    from gangrun.tracking import bounded
+
+    bad = {
+        contract.SLOW_AFTER: "abc",
+        contract.TRACKING_TIMEOUT: "soon",
+        contract.LOG_LEVEL: "LOUD",
+    }
+    for var, raw in bad.items():
+        monkeypatch.setenv(var, raw)
+    monkeypatch.setenv(contract.SILENT_AFTER, "90s")  # a good one, for contrast
+    argv = ["info", "--processes", "1"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["settings"]
+    for var, raw in bad.items():
+        default = contract.SETTINGS[var][0]
+        assert rows[var]["value"] == default and rows[var]["source"] == "built-in", rows[var]
+        assert rows[var]["rejected"]["value"] == raw and rows[var]["rejected"]["why"]
+    assert rows[contract.SILENT_AFTER] == {"value": "90s", "source": "env GANGRUN_SILENT_AFTER"}
+    assert watch.slow_after() == 60.0 and bounded.timeout_s() == 60.0  # what is in force
+    assert watch.silent_after() == 90.0
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    line = next(ln for ln in text.splitlines() if ln.split()[:1] == [contract.SLOW_AFTER])
+    assert '"60"' in line and "built-in" in line, line
+    assert 'GANGRUN_SLOW_AFTER="abc" rejected: not a number of seconds' in line, line
+    assert main([*argv, "--check"]) == 1
+    err = capsys.readouterr().err
+    for var, raw in bad.items():
+        assert f"{var}={raw!r} is rejected" in err, err
+    assert main([*argv, "--check", "--json"]) == 1
+    for var in bad:
+        monkeypatch.delenv(var)
+    assert main([*argv, "--check"]) == 0
+
+
 def test_process_settings_defaults_match_their_modules():
     from gangrun.data.cache import default_cache_dir
     from gangrun.lifecycle import watch

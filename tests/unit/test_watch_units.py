@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import tempfile
 import types
 
 import pytest
@@ -165,14 +167,45 @@ def test_find_calls_sees_only_this_users_records_and_resolve(tmp_path):
     dead = next(c for c in calls if c.run_id == "dead00")
     assert not dead.running and dead.state == "caller gone"
     assert resolve("abc123", calls).run_id == "abc123"
-    assert resolve("abd", calls).run_id == "abd456"
+    assert resolve("abd4", calls).run_id == "abd456"
     assert resolve("f" * 32, calls).run_id == "abc123"  # the MLflow run id
-    assert resolve("fff", calls).run_id == "abc123"
-    with pytest.raises(Unknown, match="several calls"):
-        resolve("ab", calls)
+    assert resolve("ffff", calls).run_id == "abc123"
     with pytest.raises(Unknown, match="no call of yours"):
         resolve("zzz999", calls)
     assert isinstance(calls[0], CallRef)
+
+
+def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """Issue 31 item 1: an empty id "matched" every call without an MLflow run (its MLflow
+    run id is empty); a prefix is 4+ characters and unique, or exit 2 lists the matches."""
+    from gangrun import cli
+    from gangrun.cli_node import Usage
+    from gangrun.platform import process_identity
+
+    me = process_identity(os.getpid())
+    _record(tmp_path, "abcd12", caller=me, function="train", mlflow_run_id="", started=1)
+    _record(tmp_path, "abcd34", caller=me, function="evaluate", started=2)
+    calls = find_calls(str(tmp_path))
+    for bad, says in [
+        ("", "empty run id"),
+        ("   ", "empty run id"),
+        ("abc", "at least 4 characters"),
+        ("abcd", "matches 2 calls: abcd12 (train), abcd34 (evaluate)"),
+    ]:
+        with pytest.raises(Usage, match=re.escape(says)):
+            resolve(bad, calls)
+    assert resolve(" abcd3 ", calls).run_id == "abcd34"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the CLI looks for calls
+    for argv, says in [
+        (["stop", ""], "gangrun ps lists the run ids"),
+        (["logs", " "], "gangrun ps lists the run ids"),
+        (["stop", "ab"], "at least 4 characters"),
+        (["stacks", "abcd"], "matches 2 calls"),
+    ]:
+        assert cli.main(argv) == 2, argv
+        assert says in capsys.readouterr().err
+    assert cli.main(["logs", "abcd12"]) == 0  # (no log files: nothing printed)
+    assert cli.main(["logs", "9999"]) == 1  # no such call: not a usage error
 
 
 def test_status_line_is_erased_before_rank_output():

@@ -11,9 +11,10 @@ call of this process writes, into its private run directory (0700):
     served by one thread of the caller for the call's lifetime. A request is one JSON line:
     ``{"op": "stop"}`` cancels the call exactly as ``handle.cancel()`` does (the same
     teardown, a ``DistributedCancelledError`` naming who stopped it, the MLflow run KILLED)
-    and answers once the call has ended; ``{"op": "stacks"}`` answers with every live
-    rank's stacks; ``{"op": "ping"}``. A peer of another uid (``SO_PEERCRED``) is refused
-    before its request is read. The thread needs no more of the caller than the GIL, so it
+    and answers once the call has ended; ``{"op": "stacks", "timeout": S}`` answers with
+    every live rank's stacks, waiting at most S seconds (default 5) for the ranks' dumps;
+    ``{"op": "ping"}``. A peer of another uid (``SO_PEERCRED``) is refused before its
+    request is read. The thread needs no more of the caller than the GIL, so it
     answers while the kernel's main thread is busy in a cell.
 """
 
@@ -32,6 +33,7 @@ from typing import Any
 
 from ..platform import process_identity
 from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
+from ..security import redact
 from .checkpoints import location
 from .observers import CallView, Observer
 from .state import State
@@ -41,6 +43,8 @@ log = logging.getLogger("gangrun.lifecycle.control")
 RECORD = CALL_RECORD  # names owned by RunDir (rundir.py)
 SOCKET = CONTROL_SOCKET
 STOP_WAIT_S = 120.0  # how long a stop request waits for the call to end before answering
+STACKS_WAIT_S = 5.0  # how long a stacks request waits for the ranks' dumps (its "timeout")
+STACKS_WAIT_MAX_S = 600.0
 
 
 def caller_kind() -> str:
@@ -99,13 +103,13 @@ class ControlObserver(Observer):
             "log_dir": run.log_dir,
             "run_dir": run.run_dir,
             "mlflow_run_id": None if tracker is None else tracker.run_id,
-            "tracking_uri": None if tracker is None else tracker.tracking_uri,
+            "tracking_uri": None if tracker is None else redact(tracker.tracking_uri),
             "experiment_id": None if tracker is None else tracker.experiment_id,
             "checkpoint_dir": location(call.run_id),  # the location it holds (one writer)
             "caller_pid": run.owner_pid,
             "caller": process_identity(run.owner_pid),
             "caller_kind": self.kind,
-            "caller_argv": [str(a) for a in sys.argv[:4]],
+            "caller_argv": [redact(str(a)) for a in sys.argv[:4]],
             "uid": os.getuid(),
             "control": self._sock is not None,
             "updated": time.time(),
@@ -213,7 +217,7 @@ class ControlObserver(Observer):
             _reply(conn, {"ok": True, "record": self.record()})
         elif op == "stacks":
             try:
-                got = self.run.watch.stacks()
+                got = self.run.watch.stacks(wait=_wait_s(req.get("timeout")))
                 _reply(conn, {"ok": True, "stacks": {str(r): s for r, s in got.items()}})
             except Exception as exc:
                 _reply(conn, {"ok": False, "error": str(exc)})
@@ -236,6 +240,18 @@ class ControlObserver(Observer):
             )
         else:
             _reply(conn, {"ok": False, "error": f"unknown request {op!r}"})
+
+
+def _wait_s(value: Any) -> float:
+    """A request's ``timeout`` (seconds to wait for the ranks' dumps): the client's
+    ``--timeout``, within 0.1 s and `STACKS_WAIT_MAX_S`; `STACKS_WAIT_S` when not given."""
+    try:
+        wait = float(value) if value is not None else STACKS_WAIT_S
+    except (TypeError, ValueError):
+        return STACKS_WAIT_S
+    if wait != wait:  # NaN
+        return STACKS_WAIT_S
+    return min(max(wait, 0.1), STACKS_WAIT_MAX_S)
 
 
 def _reply(conn: socket.socket, msg: dict[str, Any]) -> None:

@@ -21,7 +21,6 @@ At the end of the call the last values go on the MLflow run (metrics ``gangrun.s
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 import time
@@ -48,14 +47,12 @@ METRIC_PREFIX = "gangrun."  # the final values' metric names (the panel does not
 
 
 def _seconds(env: str, default: float) -> float:
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return default
-    try:
-        return max(0.0, float(raw.rstrip("s")))
-    except ValueError:
-        log.warning("%s=%r is not a number of seconds; using %g", env, raw, default)
-        return default
+    from .. import settings
+
+    s = settings.read(env)
+    if s.rejected is not None:
+        log.warning("%s=%r is %s; using %g", env, s.rejected, s.why, default)
+    return settings.seconds_in_force(env, default)
 
 
 def slow_after() -> float:

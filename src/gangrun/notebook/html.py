@@ -12,6 +12,7 @@ from html import escape
 from typing import Any
 
 from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
+from ..security import redact
 from . import charts
 from .state import CallSnapshot, RankView
 
@@ -63,7 +64,7 @@ def _link(snap: CallSnapshot) -> str:
     rid = escape(snap.mlflow_run_id)
     if url:
         return f'MLflow run <a href="{escape(url)}" target="_blank">{rid}</a>'
-    where = f" on {escape(snap.tracking_uri)}" if snap.tracking_uri else ""
+    where = f" on {escape(redact(snap.tracking_uri))}" if snap.tracking_uri else ""
     return f"MLflow run <code>{rid}</code>{where}"
 
 

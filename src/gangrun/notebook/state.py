@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from ..exitcodes import signal_name
+from ..security import redact
 
 log = logging.getLogger("gangrun.notebook")
 
@@ -108,7 +109,7 @@ class CallSnapshot:
         uri = self.tracking_uri or ""
         if self.mlflow_run_id and uri.startswith(("http://", "https://")):
             exp = self.experiment_id or "0"
-            return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{self.mlflow_run_id}"
+            return f"{redact(uri).rstrip('/')}/#/experiments/{exp}/runs/{self.mlflow_run_id}"
         return None
 
 

@@ -122,6 +122,11 @@ class RankRuns:
         except Exception as exc:  # the data is lost either way; the rank still exits
             log.warning("MLflow flush_artifact_async_logging failed in the rank: %s", exc)
         status = "FINISHED" if succeeded else "FAILED"
+        from ..security import redact
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if redact(uri) != uri:  # ending a run, MLflow prints its link: not with a password
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         for _ in range(100):  # bounded: a run that refuses to end must not hang the exit
             try:
                 active = mlflow.active_run()

@@ -7,7 +7,8 @@ server that is not running must not hold up ``submit()``. So, for an ``http(s)``
 
 * `probe` asks the server's ``/health`` once, with a short timeout and no retries,
   before the run is created and before it is finished: a refused or silent server is known in
-  seconds, and no MLflow request is made to it at all;
+  seconds, and no MLflow request is made to it at all. It authenticates as MLflow would (the
+  URI's ``user:password@``, or MLflow's variables), and every URI it says is `redact`-ed;
 * `bounded` runs a sequence of MLflow requests in a helper thread and waits at most
   ``GANGRUN_TRACKING_TIMEOUT`` seconds (default 60) for it: past that the caller moves on (the
   thread, a daemon, ends when MLflow's own retries do);
@@ -24,10 +25,14 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
 from .. import contract
+from ..security import credentials, redact
+
+if TYPE_CHECKING:
+    import urllib.request
 
 log = logging.getLogger("gangrun.tracking")
 
@@ -43,16 +48,37 @@ class TrackingTimeout(TimeoutError):
 
 def timeout_s() -> float:
     """``GANGRUN_TRACKING_TIMEOUT`` (seconds per tracking step), default 60."""
-    raw = os.environ.get(contract.TRACKING_TIMEOUT, "")
-    try:
-        value = float(raw) if raw.strip() else DEFAULT_TIMEOUT
-    except ValueError:
-        value = DEFAULT_TIMEOUT
-    return value if value > 0 else DEFAULT_TIMEOUT
+    from .. import settings
+
+    return settings.seconds_in_force(contract.TRACKING_TIMEOUT, DEFAULT_TIMEOUT)
 
 
 def is_server(uri: str) -> bool:
     return urlparse(uri).scheme in ("http", "https")
+
+
+def health_request(uri: str) -> urllib.request.Request:
+    """The ``/health`` request for the server at ``uri``, authenticated as MLflow's client
+    would be: the URI's ``user:password@`` as HTTP basic authentication (not part of the
+    host), else ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, else
+    ``MLFLOW_TRACKING_TOKEN`` as a bearer token."""
+    import base64
+    import urllib.request
+
+    clean, user, password = credentials(uri)
+    request = urllib.request.Request(clean.rstrip("/") + "/health")
+    if user is None:
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        password = os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if user is None or password is None:
+            user = None
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if user is not None:
+        pair = f"{user}:{password or ''}".encode()
+        request.add_header("Authorization", "Basic " + base64.b64encode(pair).decode("ascii"))
+    elif token:
+        request.add_header("Authorization", f"Bearer {token}")
+    return request
 
 
 def probe(uri: str, timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -63,9 +89,10 @@ def probe(uri: str, timeout: float = PROBE_TIMEOUT) -> str | None:
     import urllib.error
     import urllib.request
 
-    url = uri.rstrip("/") + "/health"
+    request = health_request(uri)
+    url = request.full_url  # without the credentials: health_request took them off
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:  # noqa: S310 (http(s) only)
+        with urllib.request.urlopen(request, timeout=timeout) as reply:  # noqa: S310 (http(s))
             reply.read(64)
         return None
     except urllib.error.HTTPError as exc:
@@ -155,7 +182,7 @@ class HealthWatch:
                 continue
             self.lost = why
             line = (
-                f"gangrun: the MLflow tracking server {self.uri} stopped answering ({why}): "
+                f"gangrun: the MLflow tracking server {redact(self.uri)} stopped answering ({why}): "
                 "metrics the ranks log are being lost; the training goes on."
             )
             try:

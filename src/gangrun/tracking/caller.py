@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import LaunchError
+from ..security import credentials, redact
 from . import lease
 from .bounded import HealthWatch, TrackingTimeout, bounded, is_server, probe
 from .plan import (
@@ -199,7 +200,9 @@ class Tracker:
         try:
             tracker.experiment_name = client.get_experiment(plan.experiment_id).name
         except Exception as exc:  # only the ranks' MLFLOW_EXPERIMENT_NAME is missing then
-            log.debug("experiment %s has no readable name: %s", plan.experiment_id, exc)
+            log.debug(
+                "experiment %s has no readable name: %s", plan.experiment_id, redact(str(exc))
+            )
         return tracker
 
     def _log_params(self, info: TrackingInfo, plan: RunPlan) -> None:
@@ -243,6 +246,13 @@ class Tracker:
             "MLFLOW_TRACKING_URI": self.tracking_uri,
             "MLFLOW_EXPERIMENT_ID": str(self.experiment_id),
         }
+        clean, user, password = credentials(self.tracking_uri)
+        if user is not None and not any(os.environ.get(k) for k in _CREDENTIAL_VARS):
+            # MLflow's own variables carry them: the URI a rank sees, prints or shows in
+            # MLflow's "View run" lines holds no password
+            env["MLFLOW_TRACKING_URI"] = clean
+            env["MLFLOW_TRACKING_USERNAME"] = user
+            env["MLFLOW_TRACKING_PASSWORD"] = password or ""
         if self.experiment_name is not None:
             env["MLFLOW_EXPERIMENT_NAME"] = self.experiment_name
         return env
@@ -317,9 +327,11 @@ class Tracker:
                 self.client.delete_tag(self.run_id, lease.TAG_LEASE)
             except Exception as exc:  # a terminal status makes the lease stale anyway
                 problems.append(f"tag {lease.TAG_LEASE}: {exc}")
-        self.client.set_terminated(self.run_id, status, end_time=int(time.time() * 1000))
+        with _no_url_printed(self.tracking_uri):  # MLflow's "View run at <URI>" lines
+            self.client.set_terminated(self.run_id, status, end_time=int(time.time() * 1000))
         if problems:
-            print("gangrun: the MLflow run is incomplete: " + "; ".join(problems), file=sys.stderr)
+            text = redact("; ".join(problems))
+            print(f"gangrun: the MLflow run is incomplete: {text}", file=sys.stderr)
 
 
 # MLflow's own INFO lines on the first use of a store ("Creating initial MLflow database
@@ -347,12 +359,44 @@ def quiet_store() -> Iterator[None]:
             lg.setLevel(level)
 
 
+_CREDENTIAL_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+_SUPPRESS_URL = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+_quiet_lock = threading.Lock()
+_quiet: dict[str, Any] = {"holders": 0, "before": None}  # the variable's value before them
+
+
+@contextlib.contextmanager
+def _no_url_printed(uri: str) -> Iterator[None]:
+    """While ending a run whose tracking URI holds a password: MLflow's ``set_terminated``
+    prints "View run ... at: <the URI>" on stdout, unless its variable says not to. The
+    variable is set for the duration (process-wide: concurrent holders share it, the last
+    one restores it); gangrun printed the run's link, redacted, when the run began."""
+    if redact(uri) == uri:
+        yield
+        return
+    with _quiet_lock:
+        if not _quiet["holders"]:
+            _quiet["before"] = os.environ.get(_SUPPRESS_URL)
+            os.environ[_SUPPRESS_URL] = "true"
+        _quiet["holders"] += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet["holders"] -= 1
+            if not _quiet["holders"]:
+                if _quiet["before"] is None:
+                    os.environ.pop(_SUPPRESS_URL, None)
+                else:
+                    os.environ[_SUPPRESS_URL] = _quiet["before"]
+
+
 def _end_half(tracker: Tracker, exc: BaseException) -> None:
     status = "FAILED" if isinstance(exc, Exception) else "KILLED"
     try:
         tracker.finish(status, exc, {})
     except Exception as inner:
-        log.warning("could not end the half-created MLflow run: %s", inner)
+        log.warning("could not end the half-created MLflow run: %s", redact(str(inner)))
 
 
 def _set_tags(client: Any, run_id: Any, tags: dict[str, str], strict: bool = True) -> list[str]:
@@ -369,6 +413,7 @@ def _set_tags(client: Any, run_id: Any, tags: dict[str, str], strict: bool = Tru
 
 
 def _note(stream: Any, line: str) -> None:
+    line = redact(line)  # a tracking URI's password, in it or in an error's text
     try:
         stream.write(line + "\n")
         stream.flush()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import LaunchError
+from ..security import redact
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -63,6 +64,7 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str, resumed: bool =
     command that shows the store."""
     what = f"MLflow run {run_id}" + (" (resumed)" if resumed else "")
     scheme = urlparse(tracking_uri).scheme
+    tracking_uri = redact(tracking_uri)  # shown: never a password
     if scheme in ("http", "https"):
         url = f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
         return f"gangrun: {what}: {url}"
@@ -212,14 +214,14 @@ def _resume_target(opts: Options | None, client: Any, uri: str, active: Any) -> 
         if not _not_found(exc):
             raise
         raise LaunchError(
-            f"{where}: no such MLflow run in the tracking store {uri}. Check the id (the run "
+            f"{where}: no such MLflow run in the tracking store {redact(uri)}. Check the id (the run "
             "page or mlflow.search_runs() shows it) and MLFLOW_TRACKING_URI / "
             "mlflow.set_tracking_uri()."
             + (" Unset MLFLOW_RUN_ID to start a new run." if source != "run_id=" else "")
         ) from None
     if run.info.lifecycle_stage == "deleted":
         raise LaunchError(
-            f"{where}: that MLflow run is deleted (in {uri}). Restore it with "
+            f"{where}: that MLflow run is deleted (in {redact(uri)}). Restore it with "
             f"MlflowClient().restore_run({run_id!r}) or start a new run."
         )
     return run, source
