@@ -150,7 +150,12 @@ def _listening() -> set[tuple]:
 
 
 def _gangrun_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("gangrun")]
+    # the SIGTERM watcher a Checkpointer installs for the process's life is not a call's
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("gangrun") and t.name != "gangrun-sigterm"
+    ]
 
 
 # a user's lock directories, made once and kept on purpose (gangrun.reservation.lock_dir)
