@@ -62,11 +62,11 @@ def ranks(gib: float, reps: int, where: str) -> dict:
     def sync_all() -> None:
         dist.barrier()
 
-    root = os.path.join(where, "ckpt")
+    # one writer per location: the async manager, the sync one and the restoring one each
+    # have their own directory (the sync one's is restored from)
+    root, sync_root = os.path.join(where, "ckpt"), os.path.join(where, "sync")
     ck = gangrun.Checkpointer({"model": model}, dir=root, keep=None)  # one manager, as in a loop
     ck.restore()
-    ck2 = gangrun.Checkpointer({"model": model}, dir=root, keep=None, async_save=False)
-    ck2._setup()
     bufs = [torch.empty_like(p.to_local()) for p in model.parameters()]  # allocated beforehand
     for rep in range(reps):
         sync_all()
@@ -82,10 +82,14 @@ def ranks(gib: float, reps: int, where: str) -> dict:
         ck.wait()
         out["committed"].append(time.perf_counter() - t)
         sync_all()
+        ck2 = gangrun.Checkpointer({"model": model}, dir=sync_root, keep=None, async_save=False)
+        ck2.restore()
         ck2.step = 2 * rep + 1
+        sync_all()
         t = time.perf_counter()
         ck2.save()
         out["sync"].append(time.perf_counter() - t)
+        ck2.close()
         shards = {n: p.to_local() for n, p in model.named_parameters()}
         path = os.path.join(where, f"torch-{rank}.pt")
         sync_all()
@@ -100,10 +104,11 @@ def ranks(gib: float, reps: int, where: str) -> dict:
             os.fsync(f.fileno())
         out["ts"].append(time.perf_counter() - t)
         sync_all()
-        ck3 = gangrun.Checkpointer({"model": model}, dir=root, keep=None)
+        ck3 = gangrun.Checkpointer({"model": model}, dir=sync_root, keep=None)
         t = time.perf_counter()
         ck3.restore()
         out["restore"].append(time.perf_counter() - t)
+        ck3.close()
         sync_all()
         t = time.perf_counter()
         back = torch.load(path)
@@ -111,8 +116,10 @@ def ranks(gib: float, reps: int, where: str) -> dict:
         del back
         sync_all()
         if rank == 0:
-            for name in os.listdir(root):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            for d in (root, sync_root):
+                for name in os.listdir(d):
+                    if name.startswith("step-"):
+                        shutil.rmtree(os.path.join(d, name), ignore_errors=True)
         sync_all()
     ck.close()
     dist.destroy_process_group()
