@@ -65,6 +65,13 @@ TARGETS = [
     ("tables", "s3_warm_vs_cold", "table epoch from S3: warm / cold cache", None, "ge"),
     (
         "checkpoint",
+        "async_blocked_vs_prealloc_copy",
+        "step blocked by async save / copy into buffers allocated beforehand",
+        2.0,
+        "le",
+    ),
+    (
+        "checkpoint",
         "async_blocked_vs_dcp_sync",
         "step blocked by async save / sync DCP save (1 GiB x2)",
         None,
