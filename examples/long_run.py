@@ -54,7 +54,7 @@ def train(framework: str, slow: float = 0.0) -> dict:
         loss.backward()
         opt.step()
         sched.step()
-        ckpt.log_metrics({"loss": loss.item()}, step)
+        ckpt.log_metrics({"loss": loss.item()}, step)  # rank 0's values, once per step
         time.sleep(slow)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
