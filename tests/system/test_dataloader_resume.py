@@ -97,3 +97,32 @@ def test_a_dataloader_shuffled_by_the_global_generator_is_refused(tmp_path):
     ckpt = gangrun.Checkpointer({"loader": loader}, dir=str(tmp_path / "c"))
     with pytest.raises(TypeError, match=r"state\['loader'\] is a DataLoader .* generator="):
         ckpt.restore()
+
+
+def test_a_tracked_loader_dropped_mid_pass_ends_its_kept_workers_at_once(tmp_path):
+    # the pass-start sampler holds its loader weakly: dropping the loader frees it (and its
+    # workers) by reference count, not in a later garbage collection 5 s per worker later
+    import gc
+    import time
+
+    import psutil
+
+    before = {c.pid for c in psutil.Process().children()}  # a fork server, say
+    gc.disable()
+    try:
+        loader = _loader("map", workers=2, persistent=True)
+        ckpt = gangrun.Checkpointer({"loader": loader}, dir=str(tmp_path / "c"))
+        ckpt.restore()
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        ckpt.close()
+        workers = [c for c in psutil.Process().children() if c.pid not in before]
+        assert len(workers) == 2
+        t = time.monotonic()
+        del loader, ckpt, _
+        while any(w.is_running() and w.status() != "zombie" for w in workers):
+            assert time.monotonic() - t < 3, "the workers outlived their loader"
+            time.sleep(0.05)
+    finally:
+        gc.enable()

@@ -29,6 +29,7 @@ restored: the resumed pass's workers are seeded afresh.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,14 @@ class _PassStart:
 
     def __init__(self, inner: Any, loader: Any) -> None:
         self.inner = inner
-        self.loader = loader
+        # weakly: torch's iterator keeps this sampler and the loader keeps a kept-workers
+        # iterator; a strong reference would make a cycle, and a loader dropped mid-pass
+        # would then end its workers only in a garbage collection, after 5 s per worker
+        self._loader = weakref.ref(loader)
+
+    @property
+    def loader(self) -> Any:
+        return self._loader()
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -83,8 +91,10 @@ class _PassStart:
         # A generator, as torch's samplers are: nothing runs until the pass asks for its
         # first index, which is when a sampler draws its order (after the DataLoader drew its
         # workers' base seed; torch also makes and drops one unused iterator per pass).
-        p: _Pass = self.loader._gangrun_pass
-        gen = generator(self.loader)
+        loader = self.loader
+        p: _Pass = loader._gangrun_pass
+        gen = generator(loader)
+        del loader
         if p.restore is not None and gen is not None:
             gen.set_state(p.restore)
         p.restore = None
