@@ -194,12 +194,32 @@ def leftovers() -> list[str]:
     # callers that died (tests SIGKILL callers on purpose) and of Ray actors that are gone
     reap_stale(_SESSION_TMP, force=True)
     reap_node_leftovers(_SESSION_TMP)
+    # a handle still referenced in this process (an error kept by a test, a cache) keeps its
+    # call's logs, and its finalizer removes them when it goes, at the latest at exit
+    held = _held_run_dirs()
     left = [
         os.path.join(_SESSION_TMP, name) + _whose(os.path.join(_SESSION_TMP, name))
         for name in sorted(os.listdir(_SESSION_TMP))
-        if name.startswith("gangrun-") and not name.startswith(("gangrun-gpus-", "gangrun-locks-"))
+        if name.startswith("gangrun-")
+        and not name.startswith(("gangrun-gpus-", "gangrun-locks-"))
+        and os.path.join(_SESSION_TMP, name) not in held
     ]
     return left + sorted(_files_under(HOME_CACHE) - _HOME_CACHE_BEFORE)
+
+
+def _held_run_dirs() -> set[str]:
+    """The run directories of the calls whose handle this process still holds: their
+    `weakref.finalize` removes each when the handle goes, at the latest at exit."""
+    import gc
+
+    from gangrun.api import RunHandle
+
+    out = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, RunHandle) and obj._finalizer.alive:
+            out.add(os.path.realpath(obj._run.run_dir))
+            out.add(obj._run.run_dir)
+    return out
 
 
 def _whose(path: str) -> str:
@@ -211,11 +231,39 @@ def _whose(path: str) -> str:
     try:
         with open(os.path.join(path, "call.json")) as f:
             rec = json.load(f)
-    except (OSError, ValueError):
-        return ""
+    except (OSError, ValueError):  # no record (not a watched call): what else says whose
+        return _whose_unrecorded(path)
     pid = int(rec.get("caller_pid") or 0)
     alive = "alive" if process_identity(pid) == rec.get("caller") else "gone"
     return f" (call of {rec.get('function')}, {rec.get('state')}, caller {pid} {alive})"
+
+
+def _whose_unrecorded(path: str) -> str:
+    """A directory without a call record: its files, its context's caller, and whether a
+    supervisor of this process still holds it (and of which function)."""
+    import gc
+    import json
+
+    try:
+        files = sorted(os.listdir(path))[:8]
+    except OSError:
+        return ""
+    caller = ""
+    try:
+        with open(os.path.join(path, "context.json")) as f:
+            caller = str(json.load(f).get("caller", ""))
+    except (OSError, ValueError, AttributeError):
+        pass
+    from gangrun.lifecycle.supervisor import Supervisor
+
+    holders = [
+        o.fn_name
+        for o in gc.get_objects()
+        if isinstance(o, Supervisor) and o.run_dir == path  # noqa: SIM114
+    ]
+    if not caller and not holders:
+        return ""  # not a run directory (kept logs, say): its name says what it is
+    return f" (files {files}, caller {caller or '?'}, held by supervisors of {holders})"
 
 
 _left: list[str] = []

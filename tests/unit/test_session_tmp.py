@@ -85,3 +85,41 @@ def test_a_session_that_leaves_files_fails_naming_them(tmp_path):
     assert f"{home}/.cache/gangrun/data/entry" in out, out
     assert f"{home}/.cache/gangrun/data\n" in out, out
     assert "gangrun-gpus-0" not in out, out
+
+
+KEEPS_AN_ERROR = """
+import gangrun
+
+KEPT = []
+
+
+def boom():
+    raise ValueError("kept")
+
+
+def test_keeps_a_failed_calls_error():
+    try:
+        gangrun.distributed(processes=1, timeout=120, mlflow=False)(boom).distributed()
+    except gangrun.DistributedError as exc:
+        KEPT.append(exc)  # its logs live as long as it does
+    assert KEPT and KEPT[0].logs(0) is not None
+"""
+
+
+def test_a_run_directory_held_by_a_live_handle_is_not_a_leftover(tmp_path):
+    """A handle (or error) a test keeps holds its call's logs; its finalizer removes them
+    when it goes, at the latest at exit: the session-end check does not count them."""
+    tests = tmp_path / "tests"
+    (tests / "unit").mkdir(parents=True)
+    (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tests / "unit" / "test_kept.py").write_text(KEEPS_AN_ERROR)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"]
+    env: dict[str, str | None] = {
+        "GANGRUN_TEST_SESSION_TMP": None,
+        "TMPDIR": str(tmp_path),
+        "PYTEST_DEBUG_TEMPROOT": str(tmp_path),
+    }
+    inner = run_bounded([*cmd, str(tests)], cwd=tmp_path, env=env, timeout=180)
+    out = inner.stdout
+    assert inner.returncode == 0 and "1 passed" in out, out + inner.stderr
+    assert "files left behind" not in out, out
