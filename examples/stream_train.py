@@ -71,8 +71,12 @@ def train(source: str, ckpt_root: str, epochs: int, every: int, batch_size: int)
                     print(
                         f"epoch {epoch} step {step} loss {loss.detach().item():.4f} (checkpointed)"
                     )
+    out = {"step": step, "loss": float(loss.detach())}
+    # the DDP model and the loader (its kept worker) go before their process group: freed
+    # after it, their destructors can wait on it for good
+    del model, opt, loader
     dist.destroy_process_group()
-    return {"step": step, "loss": float(loss.detach())}
+    return out
 
 
 def make_dataset(root: str, files: int = 21, rows: int = 16) -> None:

@@ -261,8 +261,8 @@ def _whose_unrecorded(path: str) -> str:
         for o in gc.get_objects()
         if isinstance(o, Supervisor) and o.run_dir == path  # noqa: SIM114
     ]
-    if not caller and not holders:
-        return ""  # not a run directory (kept logs, say): its name says what it is
+    if not caller and not holders and os.path.basename(path).startswith("gangrun-logs-"):
+        return ""  # kept logs: the name says what it is
     return f" (files {files}, caller {caller or '?'}, held by supervisors of {holders})"
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 
 from .platform import own_dirs, process_identity
@@ -125,7 +126,13 @@ class RunDir:
             return RankContext.from_json(f.read())
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        # a late writer (an output pump's last line, a record rewritten as the call ends) can
+        # create a file while the tree is removed, and the directory then stays: try again
+        for _ in range(5):
+            shutil.rmtree(self.path, ignore_errors=True)
+            if not os.path.lexists(self.path):
+                return
+            time.sleep(0.05)
 
 
 def create(run_id: str, log_dir: str | None) -> RunDir:
