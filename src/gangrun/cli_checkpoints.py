@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -63,14 +62,9 @@ def _state(r: Any) -> str:
 
 
 def cmd_checkpoints(ns: argparse.Namespace) -> int:
-    try:
-        return _list(ns)
-    except BrokenPipeError:  # `gangrun checkpoints URL | head`: the reader has what it wanted
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
-        return EXIT_OK
+    from .cli_support import to_a_pipe
+
+    return to_a_pipe(_list, ns)  # `gangrun checkpoints URL | head`
 
 
 def _list(ns: argparse.Namespace) -> int:

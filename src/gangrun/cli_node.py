@@ -322,14 +322,9 @@ def add_node_commands(sub: Any) -> None:
 
 
 def run_node_command(ns: argparse.Namespace) -> int:
-    try:
-        return _dispatch(ns)
-    except BrokenPipeError:  # `gangrun logs RUN | head`: the reader has what it wanted
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass
-        return EXIT_OK
+    from .cli_support import to_a_pipe
+
+    return to_a_pipe(_dispatch, ns)  # `gangrun logs RUN | head`
 
 
 def _dispatch(ns: argparse.Namespace) -> int:

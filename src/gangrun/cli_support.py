@@ -12,7 +12,22 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
+
+
+def to_a_pipe(command: Callable[[argparse.Namespace], int], ns: argparse.Namespace) -> int:
+    """``command(ns)``, ending with status 0 when its reader closed the pipe
+    (`gangrun logs RUN | head`: the reader has what it wanted), stdout then pointed at
+    /dev/null so the interpreter's final flush raises nothing."""
+    try:
+        return command(ns)
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
 
 
 def module_file(name: str) -> str:
