@@ -114,3 +114,71 @@ def train(framework: str, total: int) -> dict[str, Any]:
         "optim": optim_sd if rank == 0 else None,
         "restored": restored if rank == 0 else None,
     }
+
+
+def train_data(kind: str, root: str, epochs: int, total: int, workers: int) -> dict[str, Any]:
+    """DDP over a `TableDataset` (``kind="table"``, an ``id`` column) or a `VolumeDataset`
+    (``"volume"``, JSON files of ids) loader: ``epochs`` epochs, stopping after ``total``
+    steps (a save there). Returns the ids each epoch read on this rank, the step it started
+    at, and (rank 0) the full model and optimizer after the restore and at the end."""
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gangrun
+    from gangrun.data import TableDataset, VolumeDataset
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if kind == "table":
+        ds: Any = TableDataset(root, batch_size=5, shuffle=True, seed=SEED, shuffle_buffer=37)
+        loader = ds.loader(num_workers=workers)
+    else:
+        ds = VolumeDataset(root, shuffle=True, seed=SEED, decode=json_ids)
+        loader = ds.loader(batch_size=3, num_workers=workers)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(1, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt, "loader": loader, "epoch": 0}
+    ckpt = gangrun.Checkpointer(state, keep=2, async_save=False)
+    start = step = ckpt.restore()
+    restored = _full(model, opt) if start else None
+    reads: dict[int, list[int]] = {}
+    while state["epoch"] < epochs and step < total:
+        epoch = state["epoch"]
+        ds.set_epoch(epoch)
+        for batch in loader:
+            ids = batch["id"] if isinstance(batch, dict) else batch
+            ids = torch.as_tensor(ids).flatten()
+            reads.setdefault(epoch, []).extend(int(i) for i in ids.tolist())
+            x = ids.to(torch.float32).unsqueeze(1) / 100.0
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ckpt.step_done(step, total)
+            step += 1
+            if step >= total:
+                break
+        else:
+            state["epoch"] = epoch + 1
+    ckpt.save()
+    ckpt.close()
+    model_sd, optim_sd = _full(model, opt)
+    dist.barrier()
+    return {
+        "rank": rank,
+        "start": start,
+        "reads": reads,
+        "model": model_sd if rank == 0 else None,
+        "optim": optim_sd if rank == 0 else None,
+        "restored": restored if rank == 0 else None,
+    }
+
+
+def json_ids(raw: bytes) -> Any:
+    """A volume file's sample: the id it holds."""
+    import json
+
+    return json.loads(raw)

@@ -126,3 +126,80 @@ def test_fsdp2_resumed_2_to_1_to_2_ranks(tmp_path, tmp_path_factory, capfd):
     capfd.readouterr()
     calls = [_call(n, where, s, "fsdp2") for n, s in ((2, stops[0]), (1, stops[1]), (2, STEPS))]
     _check(calls, stops, base, capfd.readouterr().err)
+
+
+def _data(kind, root):
+    """The ids of a table (120 rows, row groups of 17) or a volume (30 one-id files)."""
+    os.makedirs(root)
+    if kind == "table":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for f in range(3):
+            ids = list(range(f * 40, (f + 1) * 40))
+            pq.write_table(pa.table({"id": ids}), f"{root}/p{f}.parquet", row_group_size=17)
+        return list(range(120)), 12  # 2 ranks x 5 rows: 12 steps an epoch
+    for i in range(30):
+        with open(f"{root}/f{i:02d}.json", "w") as f:
+            f.write(str(i))
+    return list(range(30)), 5  # 2 ranks x 3 files: 5 steps an epoch
+
+
+def _fresh_epoch(kind, root, world, epoch, workers):
+    """Each rank's ids of ``epoch`` read uninterrupted by ``world`` ranks (in this process)."""
+    from gangrun.data import TableDataset, VolumeDataset
+
+    out = []
+    for r in range(world):
+        if kind == "table":
+            ds = TableDataset(
+                root,
+                batch_size=5,
+                shuffle=True,
+                seed=ef.SEED,
+                shuffle_buffer=37,
+                rank=r,
+                world_size=world,
+            )
+            loader = ds.loader(num_workers=workers)
+        else:
+            ds = VolumeDataset(
+                root, shuffle=True, seed=ef.SEED, decode=ef.json_ids, rank=r, world_size=world
+            )
+            loader = ds.loader(batch_size=3, num_workers=workers)
+        ds.set_epoch(epoch)
+        ids = [int(i) for b in loader for i in (b["id"] if isinstance(b, dict) else b).tolist()]
+        out.append(ids)
+    return out
+
+
+@pytest.mark.parametrize("kind,workers", [("table", 2), ("volume", 1)])
+def test_dataset_loader_resumed_on_1_and_on_3_ranks(tmp_path, capfd, kind, workers):
+    # a TableDataset / VolumeDataset loader (DataLoader workers) saved mid-epoch by 2 ranks:
+    # continued on 1 and on 3, every id of the interrupted epoch is read once across both
+    # worlds (but the new world's pad of the rest to equal shares: fewer than `new` ids twice),
+    # the next epoch is what the new size reads uninterrupted, the model and optimizer
+    # restore bitwise, and the cell says where the data continues
+    root = str(tmp_path / "data")
+    ids, per_epoch = _data(kind, root)
+    stop = random.Random(os.urandom(8)).randrange(1, per_epoch)  # mid epoch 0
+    print(f"the first call stops after step {stop}")
+    where = str(tmp_path / "ckpt")
+    run = gangrun.distributed(processes=2, timeout=120, output="rank0", checkpoint_dir=where)
+    first = run(ef.train_data).distributed(kind, root, 2, stop, workers)
+    for new in (1, 3):
+        again = str(tmp_path / f"on{new}")
+        shutil.copytree(where, again)
+        capfd.readouterr()
+        go = gangrun.distributed(processes=new, timeout=120, output="rank0", checkpoint_dir=again)
+        second = go(ef.train_data).distributed(kind, root, 2, 10**6, workers)
+        said = capfd.readouterr().err
+        assert second[0]["start"] == stop
+        _equal(second[0]["restored"][0], first[0]["model"], "model")
+        _equal(second[0]["restored"][1], first[0]["optim"], "optim")
+        read = [i for out in (first, second) for r in out for i in r["reads"].get(0, [])]
+        assert sorted(set(read)) == ids, f"an id of the interrupted epoch was not read ({new})"
+        twice = [i for i in set(read) if read.count(i) > 1]
+        assert max(read.count(i) for i in ids) <= 2 and len(twice) <= new - 1, twice
+        assert [r["reads"][1] for r in second] == _fresh_epoch(kind, root, new, 1, workers)
+        assert f"saved by 2 ranks onto {new}" in said and "rest of epoch 0" in said, said

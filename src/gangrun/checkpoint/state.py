@@ -23,8 +23,9 @@ a real, consistent state (not a default): the step and pending metrics (the same
 blob), plain values, stateful entries, RNG states. A `gangrun.data.DistributedSampler`'s
 position is global, so it is the same in every blob and the data continues exactly; the RNG
 streams of new ranks >= N repeat those of rank r mod N (fewer ranks: ranks >= M's streams are
-dropped). A `VolumeDataset`/`TableDataset` loader position made on N ranks restarts its epoch
-on M, with a warning. A DeepSpeed engine's ZeRO checkpoint is partitioned per rank: it is
+dropped). A `VolumeDataset`/`TableDataset` (or its loader) position is per rank: on another
+world size every rank reads the blobs of all N ranks, and the dataset is given every rank's
+position, from which it continues the rest of the epoch on M ranks (`gangrun.data.elastic`). A DeepSpeed engine's ZeRO checkpoint is partitioned per rank: it is
 refused before anything is loaded, naming DeepSpeed's universal checkpoint conversion.
 """
 
@@ -257,16 +258,49 @@ def resume_note(e: Entries, step: int, saved: int, world: int) -> str:
         if point is not None:
             what.append(f"data at global sample {point[1]} of epoch {point[0]}")
             break
+        view = getattr(obj, "volume", None)  # a VolumeLoader / TableLoader, or the dataset
+        for ds in (obj, view, getattr(view, "ds", None)):
+            summary = getattr(ds, "resume_summary", None)
+            note = summary() if callable(summary) else None
+            if note:
+                what.append(note)
+                break
     return parts[0] + (": " + ", ".join(what) if what else "")
+
+
+def _resharded(rank: int, saved: int | None) -> bool:
+    return bool(saved) and saved != world_size()
 
 
 def load_template(e: Entries, rank: int, saved: int | None = None) -> dict[str, Any]:
     """What to load into: every saved key of this rank (``saved``: the world size that
-    saved it, when another), with its current (shape) values."""
+    saved it, when another: then every rank's blob, for the data positions), with its
+    current (shape) values."""
     tpl = {k: _model_sd(m) for k, m in e.models.items()}
     tpl.update({k: _optim_sd(e.models[mk], o) for k, (o, mk) in e.optims.items()})
     tpl[blob_key(rank, saved)] = b""
+    if saved and _resharded(rank, saved) and e.stateful:
+        for r in range(saved):
+            tpl[BLOB.format(rank=r)] = b""
     return tpl
+
+
+def _with_every_rank(tpl: dict[str, Any], blob: dict[str, Any], saved: int) -> None:
+    """Add to each stateful entry of ``blob`` the ``rank<R>`` keys of the other blobs: a
+    `VolumeDataset`/`TableDataset` (or its loader) saved by ``saved`` ranks then holds every
+    rank's position, and continues the rest of the epoch on this world (`gangrun.data.elastic`)."""
+    for r in range(saved):
+        raw = tpl.get(BLOB.format(rank=r))
+        if not raw:
+            continue
+        other = from_bytes(raw)["stateful"]
+        for key, state in blob["stateful"].items():
+            theirs = other.get(key)
+            if not (isinstance(state, dict) and isinstance(theirs, dict)):
+                continue
+            for k, v in theirs.items():
+                if isinstance(k, str) and k.startswith("rank") and k[4:].isdigit():
+                    state.setdefault(k, v)
 
 
 def apply(
@@ -292,6 +326,8 @@ def apply(
     if not raw:
         raise RuntimeError(f"the checkpoint holds nothing for rank {rank}")
     blob: dict[str, Any] = from_bytes(raw)
+    if saved and _resharded(rank, saved):
+        _with_every_rank(tpl, blob, saved)
     for key, obj in e.stateful.items():
         if key in blob["stateful"]:
             obj.load_state_dict(blob["stateful"][key])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
-from . import sharding
+from . import elastic, sharding
 from .cache import FileCache, parse_size
 from .listing import LOCAL_PROTOCOLS, FileEntry, list_files, read_local
 from .prefetch import Progress, stream
@@ -182,7 +182,11 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         return hit
 
     def _stream(
-        self, files: list[FileEntry], quota: int | None, start: Sequence[int] | None
+        self,
+        files: list[FileEntry],
+        quota: int | None,
+        start: Sequence[int] | None,
+        skips: list[int] | None = None,
     ) -> Iterator[tuple[Any, Progress]]:
         """(sample, progress) pairs; progress = (file position, samples of it done, yielded)."""
         if not files:  # nothing to read: no cache or filesystem to set up
@@ -196,6 +200,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             hit=hit,
             decode=self.decode,
             prefetch=0 if hit is read_local else self.prefetch,
+            skips=skips,
         )
 
     def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
@@ -203,17 +208,53 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
 
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        rank, world = self.rank_world()
-        same = start is not None and sharding.same_layout(start, world, nw)
-        wid = self._logical_worker(wid, nw, start if same else None)
-        files, quota = sharding.worker_plan(
-            self.rank_files(rank=rank), wid, nw, self.samples_per_rank
-        )
-        wstart = self._worker_start(start, same, world, nw, wid)
+        rank, _ = self.rank_world()
+        start = self._plan(start, nw, warn=info is None or info.id == 0)
+        wid = self._logical_worker(wid, nw, start)
+        skips: list[int] | None = None
+        if start is not None and start.get("base") is not None:  # the rest of an epoch
+            run = elastic.file_runs(
+                start, rank, len(self.files), self.shuffle, self.seed, self.uneven
+            )[wid]
+            files, quota = [self.files[f] for f, _ in run], None
+            skips = [k for _, k in run]
+        else:
+            files, quota = sharding.worker_plan(
+                self.rank_files(rank=rank), wid, nw, self.samples_per_rank
+            )
+        wstart = start["workers"][wid] if start is not None else None
         track = info is None and not tagged  # direct iteration in this process
         if track:
-            self.start_progress(1, start if wstart else None)
-        yield from self._deliver(self._stream(files, quota, wstart), wid, tagged, track)
+            self.start_progress(1, start)
+        yield from self._deliver(self._stream(files, quota, wstart, skips), wid, tagged, track)
+
+    def _plan(self, start: dict[str, Any] | None, nw: int, warn: bool) -> dict[str, Any] | None:
+        """The record a pass of ``nw`` workers starts from: ``start`` on the same layout, the
+        rest of the epoch on another (`elastic`), or ``None`` (a fresh epoch)."""
+        _, world = self.rank_world()
+
+        def same(s: dict[str, Any]) -> bool:
+            return sharding.same_layout(s, world, nw)
+
+        if self.samples_per_rank is not None:  # a quota per rank: no rest to continue
+            if start is None or ("merged" not in start and same(start)):
+                return start
+            if warn:
+                warnings.warn(
+                    f"VolumeDataset: the saved position was made with world_size="
+                    f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
+                    f"{world} and {nw}, and samples_per_rank is set (a quota per rank); epoch "
+                    f"{self._epoch} restarts from its beginning.",
+                    stacklevel=4,
+                )
+            return None
+        return self._planned(
+            start,
+            nw,
+            same,
+            lambda: sharding.progress_record(self._epoch, world, nw, len(self.files), self.seed),
+            warn,
+        )
 
     # -- resumable state -----------------------------------------------------------------------
     #
@@ -239,15 +280,20 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             return None
         return start
 
+    def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:
+        n = len(self.files)
+        rest = elastic.rest_files(base, n, self.shuffle, self.seed, self.uneven)
+        return len(rest), n, "files"
+
     def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
-        position ``start`` when it was made with this world size and worker count, else from
-        the beginning of the epoch. `state_dict` reports this pass from now on."""
+        position ``start`` (on another world size or worker count: the rest of its epoch,
+        `elastic`). `state_dict` reports this pass from now on."""
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
-        same = start if sharding.same_layout(start, world, nw) else None
+        planned = self._plan(start, nw, warn=False)
         self._live = sharding.progress_record(
-            self._epoch, world, nw, len(self.files), self.seed, same
+            self._epoch, world, nw, len(self.files), self.seed, planned
         )
 
     # -- DataLoader ----------------------------------------------------------------------------

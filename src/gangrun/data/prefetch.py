@@ -38,6 +38,7 @@ def stream(
     hit: Callable[[T], bytes | None] | None,
     decode: Callable[[bytes], Any] | None,
     prefetch: int,
+    skips: Sequence[int] | None = None,
 ) -> Iterator[tuple[Any, Progress]]:
     """``(sample, progress)`` pairs of ``files``, from position ``start`` (a saved progress).
 
@@ -45,8 +46,12 @@ def stream(
     waiting (else ``None``), or is ``None`` when nothing ever is. With a ``quota`` the files
     are cycled until that many samples are yielded; otherwise each file is read once.
     ``prefetch`` is the read-ahead window after a miss (0: no background threads).
+    ``skips[i]``: samples of file ``i`` already read elsewhere (the rest of an epoch resumed on
+    another layout, `gangrun.data.elastic`); its progress counts them.
     """
     fpos, skip, yielded = (list(start) + [0, 0, 0])[:3] if start else (0, 0, 0)
+    if skips is not None and fpos < len(skips):
+        skip = max(skip, skips[fpos])
     if quota is not None and yielded >= quota:
         return
     if not files:
@@ -96,7 +101,7 @@ def stream(
             if quota is not None and empty_run > n:
                 raise ValueError("samples_per_rank: none of this rank's files holds a sample")
             fpos += 1
-            skip = 0
+            skip = skips[fpos] if skips is not None and fpos < len(skips) else 0
     finally:
         if pool is not None:
             for pending in ahead.values():

@@ -12,7 +12,6 @@ copy of keys shared by ranks) stores every rank's position, and the dataset is `
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -37,24 +36,6 @@ class ResumableEpochs:
 
     def resume_position(self) -> dict[str, Any] | None:  # pragma: no cover - each dataset's
         raise NotImplementedError
-
-    def _worker_start(
-        self, start: dict[str, Any] | None, same_layout: bool, world: int, nw: int, wid: int
-    ) -> Any:
-        """Worker ``wid``'s saved progress in ``start``; ``None`` (the epoch restarts, said
-        once by worker 0) when ``start`` was made with another world size or worker count."""
-        if start is None:
-            return None
-        if same_layout:
-            return start["workers"][wid]
-        if wid == 0:
-            warnings.warn(
-                f"{type(self).__name__}: the saved position was made with world_size="
-                f"{start.get('world_size')} and {start.get('num_workers')} worker(s), not "
-                f"{world} and {nw}; epoch {self._epoch} restarts from its beginning.",
-                stacklevel=4,
-            )
-        return None
 
     @staticmethod
     def _logical_worker(wid: int, nw: int, start: dict[str, Any] | None) -> int:
@@ -123,17 +104,48 @@ class ResumableEpochs:
         return {"epoch": self._epoch, "seed": self.seed, f"rank{rank}": json.dumps(progress)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict``; the next iteration continues where this rank stopped."""
+        """Restore ``state_dict``; the next iteration continues where this rank stopped. A
+        state that holds the positions of every rank of another world (what
+        `gangrun.Checkpointer` restores onto another number of ranks) continues the epoch's
+        rest on this world (`gangrun.data.elastic`)."""
+        from . import elastic
+
         rank, _ = self.rank_world()
         self._epoch = int(state["epoch"])
         self._live = None
-        raw = state.get(f"rank{rank}")
-        progress = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
-        if progress is not None and (
-            progress.get("epoch") != self._epoch or progress.get("seed") != self.seed
-        ):
-            progress = None
-        self._resume = progress
+        recs = {
+            r: p
+            for r, p in elastic.records_of(state).items()
+            if p.get("epoch") == self._epoch and p.get("seed") == self.seed
+        }
+        marker = next((p for p in recs.values() if "merged" in p), None)
+        if marker is not None:  # saved again before the resumed pass began
+            self._resume = marker
+        elif set(recs) - {rank}:
+            self._resume = elastic.merged(recs)
+        else:
+            self._resume = recs.get(rank)
+
+    def resume_summary(self) -> str | None:
+        """``"data: the rest of epoch E (X of N rows left)"`` when the restored position is
+        every rank's of another world (the pass to come continues the epoch's rest)."""
+        start = self._resume
+        if not start or "merged" not in start:
+            return None
+        left, total, unit = self._rest_size({"scope": "world", "ranks": start["merged"]})
+        return f"data: the rest of epoch {self._epoch} ({left} of {total} {unit} left)"
+
+    def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _planned(
+        self, start: dict[str, Any] | None, nw: int, same: Any, fresh: Any, warn: bool
+    ) -> dict[str, Any] | None:
+        """The record a pass of ``nw`` workers starts from (`elastic.plan_start`)."""
+        from . import elastic
+
+        rank, world = self.rank_world()
+        return elastic.plan_start(start, rank, world, nw, same, fresh, type(self).__name__, warn)
 
 
 __all__ = ["ResumableEpochs"]

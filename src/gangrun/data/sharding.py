@@ -48,8 +48,8 @@ def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
 
 
 def rank_share(
-    order: Sequence[int], rank: int, world: int, uneven: Literal["pad", "drop"]
-) -> list[int]:
+    order: Sequence[T], rank: int, world: int, uneven: Literal["pad", "drop"]
+) -> list[T]:
     """The indexes of ``order`` that ``rank`` reads: every ``world``-th from ``rank``, after
     padding the order with its first entries (``"pad"``) or cutting it (``"drop"``) to a
     multiple of ``world``, so every rank gets the same count."""

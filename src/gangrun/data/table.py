@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
+from . import elastic
 from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
@@ -209,10 +210,45 @@ class TableDataset(ResumableEpochs, IterableDataset):
         finally:
             reader.close()
 
+    def _rows_at(self, positions: Any) -> Iterator[pa.Table]:
+        """Arrow tables of the rows at epoch ``positions``, in that order (the rest of an
+        epoch, `elastic`): each row group they touch is read whole, a block at a time."""
+        import numpy as np
+        import pyarrow as pa
+        from torch.utils.data import get_worker_info
+
+        order = self.unit_order()
+        rows = np.array([self._unit_rows[u] for u in order], dtype=np.int64)
+        offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(rows)])
+        where = np.searchsorted(offsets, positions, side="right") - 1
+        size = max(1, self.shuffle_buffer)
+        groups = []
+        for lo in range(0, len(positions), size):
+            ids = where[lo : lo + size]
+            uniq, first = np.unique(ids, return_index=True)
+            groups.append((lo, ids, uniq[np.argsort(first)]))
+        todo = [plan.Piece(order[i], 0, int(rows[i])) for _, _, u in groups for i in u]
+        threads = get_worker_info() is None if self.use_threads is None else self.use_threads
+        reader = Reader(self, todo, bool(threads))
+        try:
+            place = np.zeros(len(order), dtype=np.int64)
+            for lo, ids, uniq in groups:
+                parts = [reader.read(plan.Piece(order[i], 0, int(rows[i]))) for i in uniq]
+                place[uniq] = np.concatenate([[0], np.cumsum(rows[uniq])[:-1]])
+                block = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+                local = place[ids] + (positions[lo : lo + len(ids)] - offsets[ids])
+                yield block.take(local)
+        finally:
+            reader.close()
+
     def _batches(
-        self, wpos: int, wrows: int, done: Sequence[int] | None, wire: bool = False
+        self,
+        chunks: Callable[[int], Iterator[pa.Table]],
+        done: Sequence[int] | None,
+        wire: bool = False,
     ) -> Iterator[tuple[Any, Any]]:
-        """``(batch, (batches done, rows done))`` of one worker run, from progress ``done``;
+        """``(batch, (batches done, rows done))`` of one worker run (``chunks(rows done)``:
+        its rows from there on), from progress ``done``;
         ``wire`` (in a worker of `TableLoader`): ``(WireChunk, progress after it)``
         items of several batches each instead."""
         import pyarrow as pa
@@ -266,7 +302,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
             if len(group) >= limit:
                 yield flush()
 
-        for chunk in self._chunks(self.unit_order(), wpos, wrows, nr):
+        for chunk in chunks(nr):
             off = 0
             while off < chunk.num_rows:
                 take = min(bs - have, chunk.num_rows - off)
@@ -287,15 +323,45 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        _, world = self.rank_world()
-        same = start is not None and self._same_layout(start, world, nw)
-        wid = self._logical_worker(wid, nw, start if same else None)
-        wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
-        wstart = self._worker_start(start, same, world, nw, wid)
+        rank, _ = self.rank_world()
+        start = self._plan(start, nw, warn=info is None or info.id == 0)
+        wid = self._logical_worker(wid, nw, start)
+        wstart = start["workers"][wid] if start is not None else None
+        chunks: Callable[[int], Iterator[pa.Table]]
+        if start is not None and start.get("base") is not None:  # the rest of an epoch
+            positions = self._split().runs(start, rank)[wid]
+
+            def chunks(done: int) -> Iterator[pa.Table]:
+                return self._rows_at(positions[done:])
+        else:
+            wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
+
+            def chunks(done: int) -> Iterator[pa.Table]:
+                return self._chunks(self.unit_order(), wpos, wrows, done)
+
         track = info is None and not tagged
         if track:
-            self.start_progress(1, start if wstart else None)
-        yield from self._deliver(self._batches(wpos, wrows, wstart, wire), wid, tagged, track)
+            self.start_progress(1, start)
+        yield from self._deliver(self._batches(chunks, wstart, wire), wid, tagged, track)
+
+    def _split(self) -> elastic.RowSplit:
+        return elastic.RowSplit(
+            self.rows, self.shuffle, self.shuffle_buffer, self.seed, self.uneven, self.drop_last
+        )
+
+    def _plan(self, start: dict[str, Any] | None, nw: int, warn: bool) -> dict[str, Any] | None:
+        """The record a pass of ``nw`` workers starts from: ``start`` on the same layout, the
+        rest of the epoch on another (`elastic`), or ``None`` (a fresh epoch)."""
+        _, world = self.rank_world()
+        return self._planned(
+            start,
+            nw,
+            lambda s: self._same_layout(s, world, nw),
+            lambda: plan.progress_record(
+                self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
+            ),
+            warn,
+        )
 
     def iter_wire(self, start: dict[str, Any] | None) -> Iterator[Any]:
         """What `TableLoader`'s workers iterate: ``(WireChunk, (worker, progress))`` items."""
@@ -334,13 +400,18 @@ class TableDataset(ResumableEpochs, IterableDataset):
             return None
         return start
 
+    def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:
+        return len(self._split().rest(base)), self.rows, "rows"
+
     def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
-        ``start`` when it was made with this world size, worker count and batch size."""
+        ``start`` (on another world size, worker count or batch size: the rest of its epoch,
+        `elastic`)."""
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
-        if self._same_layout(start, world, nw):
-            self._live = json.loads(json.dumps(start))
+        planned = self._plan(start, nw, warn=False)
+        if planned is not None:
+            self._live = json.loads(json.dumps(planned))
         else:
             self._live = plan.progress_record(
                 self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
