@@ -4,7 +4,7 @@
                 script.py [args...]
     gangrun run [...] -m package.module [args...]
     gangrun info [options...] [--json] [--check]
-    gangrun ps | logs RUN [--rank N] [--follow] | stacks RUN | stop RUN
+    gangrun ps [--function NAME] | logs RUN [--rank N] [--follow] | stacks RUN | stop RUN
     gangrun checkpoints URL [--json] [--checksums]
     gangrun --version
 
@@ -180,10 +180,11 @@ EXAMPLES = """examples:
   gangrun ps                                       your running calls on this node
   gangrun logs RUN --rank 1 --follow               a call's output, from another terminal
   gangrun stacks RUN / gangrun stop RUN            its ranks' stacks / stop it
+  gangrun stop train                               RUN: a run id, or the function's name
   gangrun checkpoints s3://bucket/ckpt/run         complete, damaged, partial checkpoints
   gangrun run --help                               every option of run
 """
-RUN_EXAMPLES = f"""durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit).
+RUN_EXAMPLES = f"""durations: 90, 90s, 15m, 2h, 1h30m, or none (no limit); the same in Python (timeout="2h").
 every option can be defaulted by {contract.option_var("<option>")} (e.g. {contract.option_var("timeout")}=2h).
 
 examples:

@@ -5,9 +5,11 @@ record there (``call.json``) and serves a control socket (`gangrun.lifecycle.con
 Only directories and records owned by this uid are read: another user's calls are invisible
 (and their 0700 run directories unreachable anyway), so they can be neither listed nor
 stopped. ``RUN`` is the call's run id (``handle.run_id``, first column of ``gangrun ps``) or
-its MLflow run id, or a unique prefix of either of at least 4 characters (as git's short ids);
-a blank, shorter or ambiguous ``RUN`` is a usage error (exit 2) that says what lists the ids,
-or which calls it matches. ``ps`` shows,
+its MLflow run id, or a unique prefix of either of at least 4 characters (as git's short ids),
+or the name of its function (``FUNCTION`` column: ``train``, ``fit`` for ``Trainer.fit``,
+``train`` or ``train.py`` for a script) when that names one running call; a blank, shorter or
+ambiguous ``RUN`` is a usage error (exit 2) that says what lists the ids, or which calls it
+matches. ``ps --function NAME`` lists only that function's calls. ``ps`` shows,
 under a call's row, the checkpoint location it holds (one writer per location:
 docs/long_runs.md).
 
@@ -112,26 +114,53 @@ MIN_PREFIX = 4  # a shorter prefix would name a call by chance (as git's short i
 _LISTS_IDS = "gangrun ps lists the run ids of your running calls (gangrun ps --all: ended ones too)"
 
 
+def function_names(function: str) -> set[str]:
+    """The names a call's function answers to: as recorded (``train``,
+    ``Trainer.fit``), its last part (``fit``), and for a script its file name with and
+    without ``.py`` (``train.py``, ``train``)."""
+    if not function:
+        return set()
+    names = {function}
+    if function.endswith(".py"):
+        base = os.path.basename(function)
+        names |= {base, base[: -len(".py")]}
+    else:
+        names.add(function.rsplit(".", 1)[-1])
+    return names - {""}
+
+
+def _listed(calls: list[CallRef]) -> str:
+    return ", ".join(f"{c.run_id} ({c.rec.get('function') or '?'}, {c.state})" for c in calls)
+
+
 def resolve(run: str, calls: list[CallRef]) -> CallRef:
-    """The call ``run`` names: its run id or MLflow run id, or a unique prefix of one of
-    them of at least `MIN_PREFIX` characters. Blank, too short or ambiguous: `Usage`."""
+    """The call ``run`` names: its run id or MLflow run id, a unique prefix of one of them
+    of at least `MIN_PREFIX` characters, or its function's name when that names one call
+    (a running one before those that ended). Blank, too short or ambiguous: `Usage`."""
     want = run.strip()
     if not want:
         raise Usage(f"an empty run id ({run!r}) names no call; {_LISTS_IDS}")
     for c in calls:
         if want in (c.run_id, c.mlflow_run_id):  # (an empty MLflow run id matches nothing)
             return c
-    if len(want) < MIN_PREFIX:
-        raise Usage(
-            f"{want!r} is too short to name a call: give at least {MIN_PREFIX} characters of "
-            f"its run id; {_LISTS_IDS}"
-        )
-    hits = [c for c in calls if any(i.startswith(want) for i in (c.run_id, c.mlflow_run_id))]
+    named = [c for c in calls if want in function_names(str(c.rec.get("function") or ""))]
+    named = [c for c in named if c.running] or named  # the live call(s) of that name first
+    prefixed = (
+        [c for c in calls if any(i.startswith(want) for i in (c.run_id, c.mlflow_run_id) if i)]
+        if len(want) >= MIN_PREFIX
+        else []
+    )
+    hits = named + [c for c in prefixed if not any(c is n for n in named)]
     if len(hits) == 1:
         return hits[0]
     if hits:
-        ids = ", ".join(f"{c.run_id} ({c.rec.get('function') or '?'})" for c in hits)
-        raise Usage(f"{want!r} matches {len(hits)} calls: {ids}; give more of the run id")
+        more = "give more of the run id" if not named else "give the run id of one"
+        raise Usage(f"{want!r} matches {len(hits)} calls: {_listed(hits)}; {more}")
+    if len(want) < MIN_PREFIX:
+        raise Usage(
+            f"{want!r} is too short to name a call: give at least {MIN_PREFIX} characters of "
+            f"its run id, or its function's name; {_LISTS_IDS}"
+        )
     raise Unknown(
         f"no call of yours on this node matches {want!r} (gangrun ps lists them; another "
         "user's calls are neither shown nor stopped)"
@@ -176,11 +205,21 @@ def _elapsed(s: float) -> str:
 
 def cmd_ps(ns: argparse.Namespace) -> int:
     calls = [c for c in find_calls() if ns.all or c.running]
+    fn = (ns.function or "").strip() if ns.function is not None else None
+    if fn is not None:
+        if not fn:
+            print("gangrun ps: --function needs a function's name", file=sys.stderr)
+            return EXIT_USAGE
+        calls = [c for c in calls if fn in function_names(str(c.rec.get("function") or ""))]
     if ns.json:
         print(json.dumps([dict(c.rec, state=c.state) for c in calls], indent=2))
         return EXIT_OK
     if not calls:
-        print("no running gangrun calls of yours on this node" + ("" if ns.all else " (--all)"))
+        which = f" of function {fn!r}" if fn is not None else ""
+        print(
+            f"no running gangrun calls{which} of yours on this node"
+            + ("" if ns.all else " (--all)")
+        )
         return EXIT_OK
     rows = [("RUN", "FUNCTION", "RANKS", "GPUS", "ELAPSED", "STATE", "MLFLOW RUN", "CALLER")]
     now = time.time()
@@ -303,22 +342,51 @@ def cmd_stop(ns: argparse.Namespace, c: CallRef) -> int:
     return EXIT_OK
 
 
+def _duration(text: str) -> float:
+    """``--timeout`` of stacks and stop: a duration as every gangrun channel takes it
+    (``5``, ``2s``, ``1m``), more than 0 and at most `MAX_TIMEOUT_S`."""
+    from .durations import parse_duration
+
+    try:
+        wait = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if wait is None or not 0 < wait <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds, got {text!r}"
+        )
+    return wait
+
+
 def add_node_commands(sub: Any) -> None:
     """The ``ps``, ``logs``, ``stacks`` and ``stop`` subcommands."""
     ps = sub.add_parser("ps", help="this user's running calls on this node")
     ps.add_argument("--all", action="store_true", help="also calls that ended (files kept)")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
-    run_help = "run id (gangrun ps), its MLflow run id, or a unique prefix (4+ characters)"
+    ps.add_argument(
+        "--function",
+        metavar="NAME",
+        default=None,
+        help="only the calls of this function (train, Trainer.fit or fit, train.py or train)",
+    )
+    run_help = (
+        "run id (gangrun ps), its MLflow run id, a unique prefix (4+ characters), or the "
+        "function's name when one running call has it"
+    )
     logs = sub.add_parser("logs", help="a call's rank output (every rank, or --rank N)")
     logs.add_argument("run", metavar="RUN", help=run_help)
     logs.add_argument("--rank", type=int, default=None, help="only this rank")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until it ends")
     stacks = sub.add_parser("stacks", help="every rank's Python stacks (the call keeps running)")
     stacks.add_argument("run", metavar="RUN", help=run_help)
-    stacks.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for dumps")
+    stacks.add_argument(
+        "--timeout", type=_duration, default=5.0, help="how long to wait for dumps (5s; 500ms: 0.5)"
+    )
     stop = sub.add_parser("stop", help="stop a call, as handle.cancel() does in its caller")
     stop.add_argument("run", metavar="RUN", help=run_help)
-    stop.add_argument("--timeout", type=float, default=150.0, help="seconds to wait for the end")
+    stop.add_argument(
+        "--timeout", type=_duration, default=150.0, help="how long to wait for the end (150s)"
+    )
 
 
 def run_node_command(ns: argparse.Namespace) -> int:
@@ -330,14 +398,6 @@ def run_node_command(ns: argparse.Namespace) -> int:
 def _dispatch(ns: argparse.Namespace) -> int:
     if ns.cmd == "ps":
         return cmd_ps(ns)
-    wait = getattr(ns, "timeout", None)
-    if wait is not None and not 0 < wait <= MAX_TIMEOUT_S:
-        print(
-            f"gangrun {ns.cmd}: --timeout must be more than 0 and at most {MAX_TIMEOUT_S:g} "
-            f"seconds, got {wait:g}",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     try:
         calls = find_calls()
         if ns.cmd == "logs":
@@ -352,4 +412,12 @@ def _dispatch(ns: argparse.Namespace) -> int:
         return EXIT_USAGE if isinstance(exc, Usage) else EXIT_NOT_FOUND
 
 
-__all__ = ["COMMANDS", "CallRef", "add_node_commands", "find_calls", "resolve", "run_node_command"]
+__all__ = [
+    "COMMANDS",
+    "CallRef",
+    "add_node_commands",
+    "find_calls",
+    "function_names",
+    "resolve",
+    "run_node_command",
+]

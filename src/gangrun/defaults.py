@@ -24,20 +24,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .contract import RUN_ID, option_var
+from .durations import parse_duration
 from .errors import LaunchError
-from .options import GROUPS
+from .options import GROUPS, ZERO_IS_NONE  # 0 means "no limit" for timeout, hang_timeout
 
 # Option names whose GANGRUN_ variable means something else inside gangrun's own processes:
 # never read as an option default. GANGRUN_RUN_ID is the per-call id every rank sees.
 NOT_FROM_ENV = {"run_id": f"{RUN_ID} is gangrun's own call id inside ranks; use MLFLOW_RUN_ID"}
-# Zero means "no limit" for these durations (as 0 did for `gangrun run --timeout 0`).
-ZERO_IS_NONE = frozenset({"timeout", "hang_timeout"})
 _WORLD = frozenset({"gpus", "processes"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_DURATION = re.compile(
-    r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$"
-)
 _SIZE = re.compile(r"^(?P<n>\d+(?:\.\d*)?)\s*(?P<u>[kmgt]?)(?:i?b)?$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -46,21 +42,6 @@ _session: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------------------ parsing
-def parse_duration(text: str) -> float | None:
-    """``"90"``, ``"90s"``, ``"1.5"``, ``"15m"``, ``"2h"``, ``"1h30m"`` -> seconds; ``"none"``
-    -> ``None``. Raises ``ValueError`` for anything else."""
-    t = str(text).strip().lower().replace(" ", "")
-    if t in ("none", "inf", "null"):
-        return None
-    m = _DURATION.match(t)
-    if not t or m is None or not any(m.groupdict().values()):
-        raise ValueError(
-            f"{text!r} is not a duration: give seconds (90), or 90s, 15m, 2h, 1h30m, or none"
-        )
-    h, mi, s = (float(m.group(k) or 0) for k in ("h", "m", "s"))
-    return h * 3600 + mi * 60 + s
-
-
 def parse_size(text: str) -> int | None:
     """``"1048576"``, ``"512MiB"``, ``"2G"`` -> bytes; ``"none"`` -> ``None``."""
     t = str(text).strip().lower()

@@ -21,13 +21,13 @@ class OptionKwargs(TypedDict, total=False):
     gpus: int | list[int] | None
     processes: int | None
     gpu_type: str | None
-    timeout: float | None
+    timeout: float | str | None  # seconds, or a duration as text: "10m", "1h30m", "none"
     mlflow: bool
     env: Mapping[str, str] | None  # None: no extra variables
     max_restarts: int
     output: Literal["all", "rank0", "none"]
     max_capture_bytes: int | None
-    grace_period: float
+    grace_period: float | str
     log_dir: str | None
     start_method: Literal["auto", "spawn", "forkserver"]
     backend: Literal["local", "ray"]
@@ -39,11 +39,11 @@ class OptionKwargs(TypedDict, total=False):
     run_name: str | None
     run_id: str | None
     tags: Mapping[str, str] | None  # None: no tags
-    hang_timeout: float | None
-    gpu_wait: float | None
+    hang_timeout: float | str | None
+    gpu_wait: float | str | None
     progress: bool
-    restart_backoff: float
-    restart_backoff_max: float
+    restart_backoff: float | str
+    restart_backoff_max: float | str
     checkpoint_dir: str | None
 
 

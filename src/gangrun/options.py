@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import contract
+from .durations import parse_duration
 from .errors import LaunchError
 from .serialization import DEFAULT_MAX_CAPTURE_BYTES
 
@@ -66,9 +67,50 @@ def _names(value: Any) -> Any:
     return value
 
 
-def _seconds_or_none(owner: str, name: str, v: Any) -> None:
+def _seconds_or_none(group: Any, owner: str, name: str) -> None:
+    """Check a group's duration field; one written as text (``"5m"``) becomes seconds."""
+    v = getattr(group, name)
+    if isinstance(v, str):
+        try:
+            v = parse_duration(v)
+        except ValueError as exc:
+            raise LaunchError(f"{owner}.{name}={getattr(group, name)!r}: {exc}.") from None
+        if v is None:
+            raise LaunchError(
+                f"{owner}.{name} cannot be none: give a positive duration like 90s or 5m "
+                "(or leave it out for the default)."
+            )
+        object.__setattr__(group, name, v)
     if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0):
         raise LaunchError(f"{owner}.{name} must be a positive number of seconds, got {v!r}.")
+
+
+# The options that are durations: name -> (None allowed, 0 means None). Each may be given as
+# text in Python too (timeout="10m"), read by the parser of GANGRUN_TIMEOUT and --timeout.
+DURATIONS: dict[str, tuple[bool, bool]] = {
+    "timeout": (True, True),
+    "hang_timeout": (True, True),
+    "gpu_wait": (True, False),
+    "grace_period": (False, False),
+    "restart_backoff": (False, False),
+    "restart_backoff_max": (False, False),
+}
+ZERO_IS_NONE = frozenset(n for n, (_, zero) in DURATIONS.items() if zero)
+
+
+def duration_from_text(name: str, text: str) -> float | None:
+    """Option ``name``'s value written as a duration (``"10m"``), as ``GANGRUN_<OPTION>`` and
+    the command line read it: ``"none"`` (where allowed), ``"0"`` no limit for timeouts."""
+    nullable, zero_is_none = DURATIONS[name]
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise LaunchError(f"{name}={text!r}: {exc}.") from None
+    if value is None and not nullable:
+        raise LaunchError(f"{name} cannot be none, give a duration like 90s or 5m.")
+    if value == 0 and zero_is_none:
+        return None
+    return value
 
 
 def _coerce_group(cls: Any, value: Any, option: str, listed: tuple[str, ...]) -> Any:
@@ -166,7 +208,7 @@ class RayOptions:
             raise LaunchError(
                 f"ray.strategy must be one of {RAY_STRATEGIES}, got {self.strategy!r}."
             )
-        _seconds_or_none("ray", "placement_timeout", self.placement_timeout)
+        _seconds_or_none(self, "ray", "placement_timeout")
         fe = self.forward_env
         if fe is not None and (isinstance(fe, str) or not all(isinstance(x, str) for x in fe)):
             raise LaunchError(f"ray.forward_env must be a list of variable names, got {fe!r}.")
@@ -209,7 +251,7 @@ class ForkServerOptions:
         p = self.preload
         if p is not None and (isinstance(p, str) or not all(isinstance(x, str) and x for x in p)):
             raise LaunchError(f"forkserver.preload must be a list of module names, got {p!r}.")
-        _seconds_or_none("forkserver", "start_timeout", self.start_timeout)
+        _seconds_or_none(self, "forkserver", "start_timeout")
         return self
 
 
@@ -289,6 +331,11 @@ class Options:
     checkpoint_dir: str | None = None
 
     def validate(self) -> Options:
+        for name in DURATIONS:  # timeout="10m": the same text as GANGRUN_TIMEOUT, --timeout
+            text = getattr(self, name)
+            if isinstance(text, str):
+                object.__setattr__(self, name, duration_from_text(name, text))
+
         def _int(name: str, v: Any, low: int) -> None:
             if v is None:
                 return
@@ -414,4 +461,12 @@ def _device_list(gpus: Any) -> None:
 
 GROUPS = ("ray", "forkserver")  # the options that are typed groups of settings
 
-__all__ = ["Options", "RayOptions", "ForkServerOptions", "GROUPS", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "Options",
+    "RayOptions",
+    "ForkServerOptions",
+    "GROUPS",
+    "DEFAULT_TIMEOUT",
+    "DURATIONS",
+    "duration_from_text",
+]

@@ -11,12 +11,12 @@ and ``gangrun info --check`` fails on it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import contract
+from .durations import parse_seconds
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,9 @@ class Setting:
 
 
 def seconds(text: str) -> float:
-    """A number of seconds, ``s`` allowed after it (``90``, ``1.5``, ``90s``), 0 or more."""
-    value = float(text.strip().removesuffix("s"))
-    if math.isnan(value) or value < 0:
-        raise ValueError("not 0 or more")
-    return value
+    """A duration, 0 or more (``90``, ``1.5``, ``90s``, ``2m``, ``1h30m``): the parser of
+    every duration gangrun reads (`gangrun.durations`), ``none`` excepted."""
+    return parse_seconds(text)
 
 
 def positive_seconds(text: str) -> float:
@@ -71,11 +69,11 @@ def _level(text: str) -> int:
 
 # variable -> (parser: raises ValueError on a value it cannot use, what a good value is)
 _PARSERS: dict[str, tuple[Callable[[str], object], str]] = {
-    contract.SLOW_AFTER: (seconds, "not a number of seconds (0 or more, e.g. 60 or 90s)"),
-    contract.SILENT_AFTER: (seconds, "not a number of seconds (0 or more, e.g. 120 or 90s)"),
+    contract.SLOW_AFTER: (seconds, "not a duration (0 or more, e.g. 60, 90s or 2m)"),
+    contract.SILENT_AFTER: (seconds, "not a duration (0 or more, e.g. 120, 90s or 2m)"),
     contract.TRACKING_TIMEOUT: (
         positive_seconds,
-        "not a number of seconds over 0 (e.g. 60 or 90s)",
+        "not a duration over 0 (e.g. 60, 90s or 2m)",
     ),
     contract.LOG_LEVEL: (_level, "not a log level (DEBUG, INFO, WARNING, ERROR or a number)"),
     contract.CACHE_DIR: (str, "not a directory"),

@@ -157,7 +157,9 @@ def test_interrupt_in_a_blocked_collective_returns_within_3s(g):
 
 
 def test_timeout_per_execution():
-    with gangrun.Gang(processes=2, timeout=1.0) as g:
+    # durations as text, as GANGRUN_TIMEOUT takes them (issue 31 item 13: "1s" raised)
+    with gangrun.Gang(processes=2, timeout="1s", start_timeout="2m") as g:
+        assert g.timeout == 1.0 and g.start_timeout == 120.0
         g.execute("import time\nx = 5")
         t0 = time.monotonic()
         with pytest.raises(gangrun.DistributedTimeoutError):

@@ -287,6 +287,59 @@ def test_a_blank_or_short_run_id_stops_nothing_and_stacks_honours_its_timeout(tm
     assert_no_survivors(run.pid)
 
 
+TICK_SCRIPT = """
+import sys, time
+for step in range(1, 100000):
+    print(f"tick {step}", flush=True)
+    time.sleep(0.2)
+"""
+
+
+def test_a_function_name_names_its_one_running_call(tmp_path):
+    """Issue 31 item 15: ``gangrun ps`` shows a FUNCTION column but only run ids were taken.
+    Two running calls of ``tick.py`` and one of ``tock.py``: ``tock`` names its call for
+    ``logs`` and ``stop``; ``tick`` names two (exit 2, both listed); ``ps --function``."""
+    (tmp_path / "tick.py").write_text(textwrap.dedent(TICK_SCRIPT))
+    (tmp_path / "tock.py").write_text(textwrap.dedent(TICK_SCRIPT))
+    base = [sys.executable, "-m", "gangrun", "run", "--processes", "1", "--no-mlflow"]
+    runs = [
+        subprocess.Popen(
+            [*base, script], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for script in ("tick.py", "tick.py", "tock.py")
+    ]
+    try:
+        ticks = [wait_listed(r.pid)["run_id"] for r in runs[:2]]
+        tock = wait_listed(runs[2].pid)["run_id"]
+        listed = cli("ps", "--function", "tick")
+        assert listed.returncode == 0 and all(t in listed.stdout for t in ticks), listed.stdout
+        assert tock not in listed.stdout
+        both = cli("logs", "tick")
+        assert both.returncode == 2, (both.stdout, both.stderr)
+        for t in ticks:
+            assert f"{t} (tick.py, running)" in both.stderr, both.stderr
+        deadline = time.monotonic() + 30
+        while "tick 1" not in (logs := cli("logs", "tock")).stdout:
+            assert logs.returncode == 0 and time.monotonic() < deadline, logs.stderr
+            time.sleep(0.3)
+        stop = cli("stop", "tock.py")
+        assert stop.returncode == 0 and f"stopped {tock} (tock.py)" in stop.stdout, stop.stderr
+        runs[2].communicate(timeout=60)
+        assert runs[2].returncode == 130
+        assert all(r.poll() is None for r in runs[:2])  # the other function's calls run on
+        for t in ticks:
+            assert cli("stop", t).returncode == 0
+        for r in runs[:2]:
+            r.communicate(timeout=60)
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                r.kill()
+                r.wait(30)
+    for r in runs:
+        assert_no_survivors(r.pid)
+
+
 SLOW_SCRIPT = """
 import os, sys, time, gangrun
 rank, steps = int(os.environ["RANK"]), int(sys.argv[1])

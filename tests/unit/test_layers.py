@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     "gangrun.progress_view": PLATFORM,  # progress records and their formatting
     "gangrun._log": PLATFORM,
     "gangrun.settings": PLATFORM,  # the process settings, each read by one parser
+    "gangrun.durations": PLATFORM,  # "10m": the one parser of every duration
     "gangrun._compat_imports": PLATFORM,
     "gangrun.errors": PLATFORM,  # a leaf: the notebook registers the HTML renderer
     "gangrun.serialization": PLATFORM,

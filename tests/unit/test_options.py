@@ -35,11 +35,13 @@ def gpus(monkeypatch):
         ({"gpus": 0}, "gpus must be >= 1"),
         ({"timeout": 0}, "timeout must be a positive number"),
         ({"timeout": -5}, "timeout must be a positive number"),
-        ({"timeout": "1h"}, "timeout must be a number"),
+        ({"timeout": "soon"}, "timeout='soon': 'soon' is not a duration: give seconds"),
+        ({"timeout": [60]}, "timeout must be a number"),
         ({"output": "rank1"}, "output must be one of"),
         ({"max_restarts": -1}, "max_restarts must be >= 0"),
         ({"restart_backoff": -1}, "restart_backoff must be a number of seconds >= 0"),
-        ({"restart_backoff_max": "1m"}, "restart_backoff_max must be a number of seconds"),
+        ({"restart_backoff_max": "none"}, "restart_backoff_max cannot be none"),
+        ({"grace_period": "5 minutes"}, "grace_period='5 minutes': '5 minutes' is not a duration"),
         ({"gpu_type": ""}, "gpu_type must be a non-empty string"),
         ({"env": {"A=B": "x"}}, "invalid variable name"),
         ({"env": {"X": None}}, "must be a string"),
@@ -54,6 +56,74 @@ def test_bad_decorator_arguments(kwargs, fragment):
 def test_timeout_none_disables():
     f = distributed(processes=1, timeout=None)(_noop)
     assert f.settings.timeout is None
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("10m", 600.0),
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("1h30m", 5400.0),
+        (" 2h ", 7200.0),
+        ("1.5", 1.5),
+        ("none", None),
+        ("0", None),
+    ],
+)
+def test_a_duration_as_text_means_the_same_in_every_channel(text, seconds, monkeypatch):
+    """Issue 31 item 13: ``timeout="10m"`` raised in Python while ``GANGRUN_TIMEOUT=10m`` and
+    ``--timeout 10m`` worked. One parser (`gangrun.durations`) for every channel."""
+    from gangrun import cli, defaults
+    from gangrun.cli_options import options_from_args
+
+    for name in ("GANGRUN_TIMEOUT", "GANGRUN_HANG_TIMEOUT", "GANGRUN_GPU_WAIT"):
+        monkeypatch.delenv(name, raising=False)
+    decorated = distributed(processes=1, timeout=text, hang_timeout=text)(_noop)
+    assert decorated.settings.timeout == seconds and decorated.settings.hang_timeout == seconds
+    assert distributed(processes=1)(_noop).options(timeout=text).settings.timeout == seconds
+    try:
+        gangrun.set_defaults(timeout=text)
+        assert distributed(processes=1)(_noop).settings.timeout == seconds
+    finally:
+        gangrun.reset_defaults()
+    monkeypatch.setenv("GANGRUN_TIMEOUT", text)
+    assert defaults.resolve({}).timeout == seconds  # the environment
+    ns = cli._parsers()[0].parse_args(["run", "--timeout", text])  # the command line
+    assert options_from_args(ns)["timeout"] == seconds
+    if seconds is not None:  # a group's duration, and the ones that cannot be none
+        assert gangrun.RayOptions(placement_timeout=text).validate().placement_timeout == seconds
+        fs = gangrun.ForkServerOptions(start_timeout=text).validate()
+        assert fs.start_timeout == seconds
+        assert distributed(processes=1, grace_period=text)(_noop).settings.grace_period == seconds
+
+
+def test_the_python_durations_are_the_options_read_as_durations_from_text():
+    import dataclasses
+
+    from gangrun.defaults import _kind
+    from gangrun.options import DURATIONS, Options
+
+    read_as_durations = {
+        f.name for f in dataclasses.fields(Options) if _kind(f.name, str(f.type)) == "duration"
+    }
+    assert read_as_durations == set(DURATIONS)
+
+
+def test_a_bad_duration_as_text_says_what_a_duration_is():
+    from gangrun.options import DURATIONS, Options
+
+    for name in DURATIONS:
+        with pytest.raises(
+            LaunchError, match=rf"{name}='ten minutes': .* give seconds \(90\), or 90s, 15m"
+        ):
+            distributed(**{name: "ten minutes"})(_noop)
+    with pytest.raises(LaunchError, match="grace_period cannot be none"):
+        Options(grace_period="none").validate()
+    with pytest.raises(LaunchError, match="ray.placement_timeout cannot be none"):
+        gangrun.RayOptions(placement_timeout="none").validate()
+    with pytest.raises(LaunchError, match="forkserver.start_timeout='soon': 'soon' is not a"):
+        gangrun.ForkServerOptions(start_timeout="soon").validate()
 
 
 def test_bare_decorator_and_plain_call():

@@ -228,7 +228,7 @@ def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, ca
     text = capsys.readouterr().out
     line = next(ln for ln in text.splitlines() if ln.split()[:1] == [contract.SLOW_AFTER])
     assert '"60"' in line and "built-in" in line, line
-    assert 'GANGRUN_SLOW_AFTER="abc" rejected: not a number of seconds' in line, line
+    assert 'GANGRUN_SLOW_AFTER="abc" rejected: not a duration' in line, line
     assert main([*argv, "--check"]) == 1
     err = capsys.readouterr().err
     for var, raw in bad.items():
@@ -237,6 +237,27 @@ def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, ca
     for var in bad:
         monkeypatch.delenv(var)
     assert main([*argv, "--check"]) == 0
+
+
+def test_a_process_setting_takes_a_duration_as_every_option_does(monkeypatch, capsys):
+    """Issue 31 item 13: one parser for every duration. ``GANGRUN_SLOW_AFTER=2m`` was
+    rejected (the watch's own parser took seconds only) while ``GANGRUN_TIMEOUT=2m`` worked."""
+    from gangrun import settings
+    from gangrun.cli import main
+    from gangrun.lifecycle import watch
+    from gangrun.tracking import bounded
+
+    monkeypatch.setenv(contract.SLOW_AFTER, "2m")
+    monkeypatch.setenv(contract.SILENT_AFTER, "1h30m")
+    monkeypatch.setenv(contract.TRACKING_TIMEOUT, "1.5")
+    assert watch.slow_after() == 120.0 and watch.silent_after() == 5400.0
+    assert bounded.timeout_s() == 1.5
+    assert settings.read(contract.SLOW_AFTER).rejected is None
+    assert main(["info", "--processes", "1", "--check"]) == 0, capsys.readouterr().err
+    for var, raw in [(contract.SLOW_AFTER, "none"), (contract.TRACKING_TIMEOUT, "0s")]:
+        monkeypatch.setenv(var, raw)  # no "none" for a window; a tracking step needs > 0
+        assert settings.read(var).rejected == raw, var
+    assert watch.slow_after() == 60.0 and bounded.timeout_s() == 60.0
 
 
 def test_process_settings_defaults_match_their_modules():

@@ -190,7 +190,7 @@ def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatc
         ("", "empty run id"),
         ("   ", "empty run id"),
         ("abc", "at least 4 characters"),
-        ("abcd", "matches 2 calls: abcd12 (train), abcd34 (evaluate)"),
+        ("abcd", "matches 2 calls: abcd12 (train, running), abcd34 (evaluate, running)"),
     ]:
         with pytest.raises(Usage, match=re.escape(says)):
             resolve(bad, calls)
@@ -206,6 +206,56 @@ def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatc
         assert says in capsys.readouterr().err
     assert cli.main(["logs", "abcd12"]) == 0  # (no log files: nothing printed)
     assert cli.main(["logs", "9999"]) == 1  # no such call: not a usage error
+
+
+def test_a_function_name_names_its_one_running_call(tmp_path, monkeypatch, capsys):
+    """Issue 31 item 15: ``gangrun logs train`` (the FUNCTION column of ``gangrun ps``) names
+    the one running call of ``train``; several: exit 2 listing them; ``ps --function``."""
+    from gangrun import cli
+    from gangrun.cli_node import Usage, function_names
+    from gangrun.platform import process_identity
+
+    assert function_names("main.<locals>.train") == {"main.<locals>.train", "train"}
+    assert function_names("jobs/fit.py") == {"jobs/fit.py", "fit.py", "fit"}
+    assert function_names("") == set()
+    me = process_identity(os.getpid())
+    _record(tmp_path, "aaaa01", caller=me, function="Trainer.fit", started=1)
+    _record(tmp_path, "aaaa02", caller=me, function="evaluate", started=2)
+    _record(tmp_path, "aaaa03", caller=me, function="evaluate", started=3)
+    _record(tmp_path, "aaaa04", caller="1:1", function="fit", started=0)  # caller gone
+    _record(tmp_path, "aaaa05", caller=me, function="prep.py", state="succeeded", started=4)
+    calls = find_calls(str(tmp_path))
+    assert resolve("fit", calls).run_id == "aaaa01"  # the running one before the ended one
+    assert resolve("Trainer.fit", calls).run_id == "aaaa01"
+    assert resolve("prep", calls).run_id == "aaaa05"  # none running: the one that ended
+    with pytest.raises(Usage, match=re.escape("'evaluate' matches 2 calls: aaaa02 (evaluate, ")):
+        resolve("evaluate", calls)
+    with pytest.raises(Unknown, match="no call of yours"):
+        resolve("train", calls)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the CLI looks for calls
+    assert cli.main(["stacks", "evaluate"]) == 2
+    err = capsys.readouterr().err
+    assert "aaaa02 (evaluate, running), aaaa03 (evaluate, running)" in err, err
+    assert cli.main(["ps", "--function", "evaluate"]) == 0
+    out = capsys.readouterr().out
+    assert "aaaa02" in out and "aaaa03" in out and "aaaa01" not in out, out
+    assert cli.main(["ps", "--function", "fit", "--json"]) == 0
+    assert [r["run_id"] for r in json.loads(capsys.readouterr().out)] == ["aaaa01"]
+    assert cli.main(["ps", "--function", "nothing"]) == 0
+    assert "no running gangrun calls of function 'nothing'" in capsys.readouterr().out
+    assert cli.main(["ps", "--function", " "]) == 2
+
+
+def test_stacks_and_stop_take_their_timeout_as_a_duration(capsys):
+    from gangrun import cli
+
+    for argv in (["stacks", "x", "--timeout", "soon"], ["stop", "x", "--timeout", "-1"]):
+        assert cli.main(argv) == 2, argv
+        assert "is not a duration" in capsys.readouterr().err
+    assert cli.main(["stop", "x", "--timeout", "2h"]) == 2  # over the hour allowed
+    assert "at most 3600 seconds" in capsys.readouterr().err
+    parsed = cli._parsers()[0].parse_args(["stacks", "abcd", "--timeout", "1m"])
+    assert parsed.timeout == 60.0
 
 
 def test_status_line_is_erased_before_rank_output():

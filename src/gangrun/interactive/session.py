@@ -56,6 +56,16 @@ def last_gang() -> Gang | None:
     return None if _last is None else _last()
 
 
+def _seconds(name: str, value: float | str) -> float:
+    """``Gang(start_timeout="5m")``: a duration as every channel writes it (`gangrun.durations`)."""
+    from ..durations import parse_seconds
+
+    try:
+        return parse_seconds(value) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError) as exc:
+        raise LaunchError(f"Gang({name}={value!r}): {exc}.") from None
+
+
 def _tcp_host(address: str | None) -> str:
     """This machine's address as the Ray cluster reaches it."""
     from ..launch.ray.placement import connect
@@ -85,20 +95,23 @@ class Gang(Exchanges):
     def __init__(
         self,
         *,
-        interrupt_grace: float = 1.5,
-        start_timeout: float = 300.0,
+        interrupt_grace: float | str = 1.5,
+        start_timeout: float | str = 300.0,
         setup: Callable[[], Any] | None = None,
         **options: Unpack[OptionKwargs],
     ) -> None:
         global _last
         if setup is not None and not callable(setup):
             raise LaunchError(f"Gang(setup=...) takes a function, got {setup!r}")
-        self.max_restarts = int(options.pop("max_restarts", 0) or 0)
-        self.hang_timeout: float | None = options.pop("hang_timeout", None)
-        self.timeout: float | None = options.pop("timeout", DEFAULT_TIMEOUT)
-        Options(
-            timeout=self.timeout, hang_timeout=self.hang_timeout, max_restarts=self.max_restarts
-        ).validate()
+        given: dict[str, Any] = {  # timeout="10m" as GANGRUN_TIMEOUT=10m: seconds from here on
+            "timeout": options.pop("timeout", DEFAULT_TIMEOUT),
+            "hang_timeout": options.pop("hang_timeout", None),
+            "max_restarts": int(options.pop("max_restarts", 0) or 0),
+        }
+        checked = Options(**given).validate()
+        self.max_restarts = int(checked.max_restarts)
+        self.hang_timeout: float | None = checked.hang_timeout
+        self.timeout: float | None = checked.timeout
         options["timeout"] = None  # the gang lives across cells: each execution has its own
         self._fn = distributed(**options)(gang)
         self.options: Options = dataclasses.replace(
@@ -109,8 +122,8 @@ class Gang(Exchanges):
         )
         self.setup = setup
         self.restarts = 0
-        self.interrupt_grace = float(interrupt_grace)
-        self.start_timeout = float(start_timeout)
+        self.interrupt_grace = _seconds("interrupt_grace", interrupt_grace)
+        self.start_timeout = _seconds("start_timeout", start_timeout)
         self._lock = threading.Lock()
         self._handle: RunHandle[None] | None = None
         self._socks: dict[int, socket.socket] = {}  # rank -> its connection

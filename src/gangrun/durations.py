@@ -1,0 +1,45 @@
+"""Durations written as text, one parser for every channel.
+
+``"90"``, ``"1.5"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"`` (seconds) and ``"none"`` mean
+the same in Python (``timeout="10m"``, `gangrun.set_defaults`, ``Gang(...)``, the option
+groups), in ``GANGRUN_<OPTION>`` variables, in the process settings
+(``GANGRUN_SLOW_AFTER=2m``), and on the command line (``--timeout 10m``,
+``gangrun stacks RUN --timeout 2s``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_DURATION = re.compile(
+    r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$"
+)
+FORMS = "seconds (90), or 90s, 15m, 2h, 1h30m"
+
+
+def parse_duration(text: str) -> float | None:
+    """``"90"``, ``"90s"``, ``"1.5"``, ``"15m"``, ``"2h"``, ``"1h30m"`` -> seconds; ``"none"``
+    -> ``None``. Raises ``ValueError`` saying what a duration is for anything else."""
+    t = str(text).strip().lower().replace(" ", "")
+    if t in ("none", "inf", "null"):
+        return None
+    m = _DURATION.match(t)
+    if not t or m is None or not any(m.groupdict().values()):
+        raise ValueError(f"{text!r} is not a duration: give {FORMS}, or none")
+    h, mi, s = (float(m.group(k) or 0) for k in ("h", "m", "s"))
+    value = h * 3600 + mi * 60 + s
+    if math.isinf(value):
+        raise ValueError(f"{text!r} is not a duration: too large")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """A duration that cannot be none (`parse_duration`): seconds, 0 or more."""
+    value = parse_duration(text)
+    if value is None:
+        raise ValueError(f"{text!r} cannot be none here: give {FORMS}")
+    return value
+
+
+__all__ = ["FORMS", "parse_duration", "parse_seconds"]
