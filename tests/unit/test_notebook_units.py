@@ -294,3 +294,25 @@ def test_cell_writer_routes_to_the_parent_captured_at_submit():
     assert s.writes == [("launch", "line\n"), ("current", "other\n")]
     plain = io.StringIO()
     assert routing.cell_writer(plain) is plain
+
+
+def test_panel_says_a_resume_onto_another_number_of_ranks(tmp_path):
+    # issue 29, item 5: the rank's own report (progress.report_resumed with the saved world)
+    # reaches the panel line: "resumed from step 12 saved by 2 ranks onto 3"
+    import subprocess
+
+    from gangrun.notebook.resumed import ResumeWatch
+
+    code = (
+        "import sys; from gangrun.rank import progress\n"
+        "progress.bind(sys.argv[1], int(sys.argv[2]))\n"
+        "progress.report_resumed(12, saved_world=2)\n"
+    )
+    for r in range(3):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path), str(r)], check=True, timeout=60)
+    st = CallState(_call(world_size=3))
+    st.starting()
+    st.attempt_started(0)
+    ResumeWatch(st, types.SimpleNamespace(run_dir=str(tmp_path), world_size=3)).poll()
+    assert st.snapshot.resumed_world == 2
+    assert "resumed from step 12 saved by 2 ranks onto 3" in html.render_panel(st.snapshot)

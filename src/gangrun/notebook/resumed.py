@@ -44,7 +44,8 @@ class ResumeWatch:
         reports = progress.read_all(run_dir, world).values()
         steps = [r.resumed_from for r in reports if r.resumed_from is not None]
         if steps:
-            self.state.resumed(min(steps))
+            worlds = [r.saved_world for r in reports if r.saved_world is not None]
+            self.state.resumed(min(steps), worlds[0] if worlds else None)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

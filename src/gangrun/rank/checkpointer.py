@@ -200,7 +200,7 @@ class Checkpointer:
         self.last = self.restored_from = found
         self._replay_metrics(blob.get("metrics", []))
         self._last_save = time.monotonic()
-        progress.report_resumed(self.step)
+        progress.report_resumed(self.step, saved if saved and saved != self._world else None)
         return self.step
 
     # ------------------------------------------------------------------ stepping

@@ -39,6 +39,7 @@ _pid = 0
 _last_write = 0.0
 _first: tuple[int, float] | None = None  # (step, wall time) of this process's first report
 _resumed = -1
+_saved_world = -1  # the world size that saved the restored checkpoint (-1: not said)
 _total = -1
 _step = -1
 _progressed = False  # a step reported, or a checkpoint loaded, in this attempt
@@ -59,6 +60,7 @@ class StepReport:
     first_time: float
     time: float  # wall clock of the last write
     progressed: bool = True  # a step reported or a checkpoint loaded (not a fresh start alone)
+    saved_world: int | None = None  # ranks that saved the restored checkpoint, when said
 
     @property
     def rate(self) -> float | None:
@@ -73,7 +75,7 @@ def bind(run_dir: str, rank: int) -> None:
     """In a rank (called by `gangrun.rank.worker` at start): reports go to this run
     directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
     global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step, _written
-    global _progressed
+    global _progressed, _saved_world
     _bound = (run_dir, int(rank), os.getpid())
     _written = (-1, -1, -1, False)
     _fd = None
@@ -81,7 +83,7 @@ def bind(run_dir: str, rank: int) -> None:
     _disabled = False
     _first = None
     _last_write = 0.0
-    _resumed = _total = _step = -1
+    _resumed = _total = _step = _saved_world = -1
     _progressed = False
 
 
@@ -110,7 +112,10 @@ def _open() -> int | None:
 def _write(fd: int, now: float) -> None:
     global _last_write, _fd, _disabled, _written
     assert _first is not None
-    line = f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f} {int(_progressed)}"
+    line = (
+        f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f} {int(_progressed)} "
+        f"{_saved_world}"
+    )
     try:
         os.pwrite(fd, line.ljust(_SIZE - 1).encode() + b"\n", 0)
     except OSError:  # run directory gone or disk full: reports are best effort
@@ -169,15 +174,17 @@ def report_fresh_start() -> None:
     _write(fd, _first[1])
 
 
-def report_resumed(step: int) -> None:
+def report_resumed(step: int, saved_world: int | None = None) -> None:
     """Record that this attempt resumed from a checkpoint at ``step`` (the checkpoint manager
-    calls it after a restore that loaded one; the next step reported is usually ``step``).
+    calls it after a restore that loaded one; the next step reported is usually ``step``),
+    saved by ``saved_world`` ranks (said when another number than this attempt's).
     Progress, as a reported step is."""
-    global _resumed, _first, _step, _progressed
+    global _resumed, _first, _step, _progressed, _saved_world
     fd = _open()
     if fd is None:
         return
     _resumed = int(step)
+    _saved_world = -1 if saved_world is None else int(saved_world)
     _progressed = True
     now = time.time()
     if _first is None or _step < 0:
@@ -192,7 +199,7 @@ def read(run_dir: str, rank: int) -> StepReport | None:
         with open(RunDir(run_dir).progress(rank), "rb") as f:
             raw = f.read(_SIZE)
         step, total, resumed, first_step, first_time, t, *more = raw.decode().split()
-        if len(more) > 1:
+        if len(more) > 2:
             return None
         return StepReport(
             rank=rank,
@@ -202,7 +209,8 @@ def read(run_dir: str, rank: int) -> StepReport | None:
             first_step=int(first_step),
             first_time=float(first_time),
             time=float(t),
-            progressed=more != ["0"],
+            progressed=more[:1] != ["0"],
+            saved_world=int(more[1]) if len(more) > 1 and int(more[1]) > 0 else None,
         )
     except (OSError, ValueError, UnicodeDecodeError):
         return None
