@@ -217,3 +217,14 @@ def test_partial_positions_restart_the_epoch_with_a_warning(tmp_path):
         got = [x for b in loader3 for x in _flat(b)]
     fresh = [x for b in _volume(root, 0, 3, 0, True, 2)[1] for x in _flat(b)]
     assert got == fresh
+
+
+def test_len_of_a_loader_is_the_datasets(tmp_path):
+    # len(loader) for a scheduler's total steps: as a DataLoader over the dataset itself
+    root = _files(str(tmp_path / "v"))  # one sample a file (no decode): 6 on rank 0 of 2
+    loader = VolumeDataset(root, rank=0, world_size=2).loader(batch_size=4, num_workers=0)
+    assert len(loader) == 2 == len(list(loader))
+    tdir = str(tmp_path / "t")
+    _write_table(tdir)
+    t, tl = table(0, 2, 0, root=tdir, shuffle=False, batch=50, buf=64)
+    assert len(tl) == len(t) == 12 == len(list(tl))

@@ -264,12 +264,15 @@ def _rest_rows(split_key: tuple[Any, ...], base_key: str) -> Any:
             taken.append(pos[:c])
             left.append(pos[c:])
     rest = np.concatenate(left) if left else np.zeros(0, dtype=np.int64)
+    seen = np.zeros(max(split.rows, 1), dtype=bool)
     if taken:
-        rest = rest[~np.isin(rest, np.concatenate(taken))]
-    _, first = np.unique(rest, return_index=True)
-    out = rest[np.sort(first)]
-    out.setflags(write=False)
-    return out
+        seen[np.concatenate(taken)] = True
+    rest = rest[~seen[rest]]
+    if len(rest) and np.bincount(rest, minlength=split.rows).max() > 1:  # the old world's pad
+        _, first = np.unique(rest, return_index=True)
+        rest = rest[np.sort(first)]
+    rest.setflags(write=False)
+    return rest
 
 
 __all__ = ["RowSplit", "file_runs", "merged", "plan_start", "records_of", "rest_files"]

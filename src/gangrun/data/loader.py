@@ -89,6 +89,12 @@ class _TaggedView(IterableDataset):
             self.volume.set_epoch(epoch)
         return self.volume.iter_tagged(start)
 
+    def __len__(self) -> int:
+        """The dataset's ``len`` (samples per rank and epoch; a `TableDataset`: batches), so
+        ``len(loader)`` is what it is for the dataset itself."""
+X
+        return len(inner)
+
 
 class _Collate:
     def __init__(self, inner: Callable[[Any], Any] | None, batched: bool) -> None:

@@ -210,9 +210,11 @@ class TableDataset(ResumableEpochs, IterableDataset):
         finally:
             reader.close()
 
-    def _rows_at(self, positions: Any) -> Iterator[pa.Table]:
+    def _rows_at(self, positions: Any, keep: int = 4) -> Iterator[pa.Table]:
         """Arrow tables of the rows at epoch ``positions``, in that order (the rest of an
-        epoch, `elastic`): each row group they touch is read whole, a block at a time."""
+        epoch, `elastic`), ``shuffle_buffer`` rows at a time: each row group they touch is
+        read whole, and the last ``keep`` read are kept (the rest of a shuffled block spans
+        the row groups of the next one too)."""
         import numpy as np
         import pyarrow as pa
         from torch.utils.data import get_worker_info
@@ -222,23 +224,40 @@ class TableDataset(ResumableEpochs, IterableDataset):
         offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(rows)])
         where = np.searchsorted(offsets, positions, side="right") - 1
         size = max(1, self.shuffle_buffer)
-        groups = []
-        for lo in range(0, len(positions), size):
-            ids = where[lo : lo + size]
-            uniq, first = np.unique(ids, return_index=True)
-            groups.append((lo, ids, uniq[np.argsort(first)]))
-        todo = [plan.Piece(order[i], 0, int(rows[i])) for _, _, u in groups for i in u]
+        groups = [
+            (lo, where[lo : lo + size], np.unique(where[lo : lo + size]))
+            for lo in range(0, len(positions), size)
+        ]
+        held: list[int] = []  # the row groups kept, oldest first (as `read` below keeps them)
+        todo = []
+        for _, _, uniq in groups:
+            for i in uniq.tolist():
+                if i in held:
+                    held.remove(i)
+                else:
+                    todo.append(plan.Piece(order[i], 0, int(rows[i])))
+                held = (held + [i])[-keep:]
         threads = get_worker_info() is None if self.use_threads is None else self.use_threads
         reader = Reader(self, todo, bool(threads))
+        kept: dict[int, pa.Table] = {}
         try:
             place = np.zeros(len(order), dtype=np.int64)
             for lo, ids, uniq in groups:
-                parts = [reader.read(plan.Piece(order[i], 0, int(rows[i]))) for i in uniq]
+                parts = []
+                for i in uniq.tolist():
+                    t = kept.pop(i, None)
+                    if t is None:
+                        t = reader.read(plan.Piece(order[i], 0, int(rows[i])))
+                    kept[i] = t
+                    parts.append(t)
+                    while len(kept) > keep:
+                        del kept[next(iter(kept))]
                 place[uniq] = np.concatenate([[0], np.cumsum(rows[uniq])[:-1]])
                 block = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
                 local = place[ids] + (positions[lo : lo + len(ids)] - offsets[ids])
                 yield block.take(local)
         finally:
+            kept.clear()
             reader.close()
 
     def _batches(

@@ -1,0 +1,95 @@
+"""(issue 29) The rest of an epoch on another number of ranks: its throughput against a
+fresh epoch's, 2 ranks x 2 DataLoader workers, files (`VolumeDataset`) and tables
+(`TableDataset`).
+
+A fresh epoch is read in the per-rank order (each rank's share a slice of the epoch's one
+order, shuffled by the seed and the epoch alone). The rest of an epoch saved by 3 ranks at
+``--cut`` of it is the same order's remaining items, laid out for the 2 ranks
+(`gangrun.data.elastic`): a table's rows are taken from row groups read whole (a row group
+the saved world half read is read again), files are read with the samples already read
+skipped. The figure: rows (samples) per second of the rest pass over the fresh epoch's
+(target >= 0.95: the global order costs at most 5%).
+
+    PYTHONPATH=src python bench/bench_elastic.py --reps 3 [--rows 2000000 --files 4000]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import elastic_ranks
+from _common import median, ratio, summary
+
+WORKERS = 2
+
+
+def _files(root: str, n: int) -> None:
+    import numpy as np
+
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        with open(os.path.join(root, f"s{i:06d}.bin"), "wb") as f:
+            f.write(rng.bytes(4096))
+
+
+def run(reps: int, rows: int = 2_000_000, files: int = 4000, cut: float = 0.3) -> dict:
+    import bench_tables
+
+    from gangrun import distributed
+
+    work = tempfile.mkdtemp(prefix="bench-elastic-")
+    try:
+        table = os.path.join(work, "table")
+        bench_tables._write(table, rows, 8)
+        vol = os.path.join(work, "files")
+        _files(vol, files)
+        gang = distributed(processes=2, mlflow=False, timeout=900, output="none")
+        fn = gang(elastic_ranks.rest_of_epoch)
+        fn.distributed("table", table, WORKERS, 3, cut)  # warm-up: page cache, fork server
+        t: dict[str, list[float]] = {}
+        n: dict[str, int] = {}
+        for _ in range(reps):
+            for kind, src in (("table", table), ("files", vol)):
+                out = fn.distributed("table" if kind == "table" else "volume", src, WORKERS, 3, cut)
+                for arm in ("fresh", "rest"):
+                    secs = max(r[arm] for r in out)  # the slower rank
+                    got = sum(r[arm + "_samples"] for r in out)
+                    t.setdefault(f"{kind}_{arm}", []).append(secs)
+                    n[f"{kind}_{arm}"] = got
+        per_s = {k: n[k] / median(v) for k, v in t.items()}
+        return {
+            "name": "elastic",
+            "rows": rows,
+            "files": files,
+            "cut": cut,
+            "loadavg": round(os.getloadavg()[0], 1),
+            "samples": n,
+            "per_s": {k: round(v) for k, v in per_s.items()},
+            "results": {k: summary(v) for k, v in t.items()},
+            "ratios": {
+                "table_rest_vs_fresh": ratio(1 / per_s["table_fresh"], 1 / per_s["table_rest"]),
+                "files_rest_vs_fresh": ratio(1 / per_s["files_fresh"], 1 / per_s["files_rest"]),
+            },
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--files", type=int, default=4000)
+    p.add_argument("--cut", type=float, default=0.3)
+    a = p.parse_args()
+    print(json.dumps(run(a.reps, a.rows, a.files, a.cut), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Rank function of bench_elastic.py (importable by reference inside ranks)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from table_ranks import _count, _dist
+
+
+def _make(kind: str, source: str, rank: int | None, world: int | None) -> Any:
+    from gangrun.data import TableDataset, VolumeDataset
+
+    if kind == "table":
+        return TableDataset(
+            source, batch_size=4096, shuffle=True, seed=1, rank=rank, world_size=world
+        )
+    return VolumeDataset(source, shuffle=True, seed=1, rank=rank, world_size=world)
+
+
+def _loader(kind: str, ds: Any, workers: int) -> Any:
+    if kind == "table":
+        return ds.loader(num_workers=workers, persistent_workers=False)
+    return ds.loader(batch_size=64, num_workers=workers, persistent_workers=False)
+
+
+def _samples(kind: str, loader: Any) -> int:
+    if kind == "table":
+        return _count(loader)
+    return sum(len(b) for b in loader)
+
+
+def rest_of_epoch(kind: str, source: str, workers: int, saved_world: int, cut: float) -> dict:
+    """Seconds (the ranks start together) of two passes on this rank, ``workers`` DataLoader
+    workers each: ``fresh``, a whole epoch in today's per-rank order; ``rest``, the rest of the
+    same epoch after ``saved_world`` ranks (no workers) read ``cut`` of it and saved their
+    positions (every rank's, as `gangrun.Checkpointer` restores them on another world)."""
+    dist = _dist()
+    out: dict[str, Any] = {}
+    # the saved world's positions: each of its ranks reads `cut` of its share (in this process)
+    states: dict[str, Any] = {}
+    for r in range(saved_world):
+        old = _make(kind, source, r, saved_world)
+        it = _loader(kind, old, 0)
+        total = len(it)
+        for i, _ in enumerate(it):
+            if i + 1 >= max(1, int(total * cut)):
+                break
+        states.update(it.state_dict())
+    for arm in ("fresh", "rest"):
+        ds = _make(kind, source, None, None)
+        loader = _loader(kind, ds, workers)
+        if arm == "rest":
+            loader.load_state_dict(states)
+        dist.barrier()
+        t = time.perf_counter()
+        n = _samples(kind, loader)
+        out[arm] = time.perf_counter() - t
+        out[arm + "_samples"] = n
+        del loader
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
