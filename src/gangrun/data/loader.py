@@ -92,7 +92,7 @@ class _TaggedView(IterableDataset):
     def __len__(self) -> int:
         """The dataset's ``len`` (samples per rank and epoch; a `TableDataset`: batches), so
         ``len(loader)`` is what it is for the dataset itself."""
-X
+        inner: Any = getattr(self.volume, "ds", self.volume)  # TableLoader's view: its dataset
         return len(inner)
 
 
