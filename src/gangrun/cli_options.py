@@ -49,6 +49,7 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "mlflow": (("--mlflow",), _ON_OFF, "one MLflow run for the call (default: on)"),
     "env": (("--env",), "KEY=VALUE", "extra environment variable for every rank (repeatable)"),
     "max_restarts": (("--max-restarts",), "N", "relaunch the whole gang up to N times after a failure"),
+    "min_ranks": (("--min-ranks",), "N", "backend ray: restart after a lost node on the ranks that can still be placed, at least N"),
     "restart_backoff": (("--restart-backoff",), "DURATION", "wait before the first restart, doubled for each next one (default 1s; 0: at once)"),
     "restart_backoff_max": (("--restart-backoff-max",), "DURATION", "the longest wait between two attempts (default 60s)"),
     "output": (("--output",), _OUTPUTS, "whose output to show (default all; every rank's log is kept)"),

@@ -25,6 +25,7 @@ class OptionKwargs(TypedDict, total=False):
     mlflow: bool
     env: Mapping[str, str] | None  # None: no extra variables
     max_restarts: int
+    min_ranks: int | None
     output: Literal["all", "rank0", "none"]
     max_capture_bytes: int | None
     grace_period: float | str

@@ -272,6 +272,11 @@ class Options:
         env: extra environment variables for every rank.
         max_restarts: relaunch the whole gang up to N times after a failure worth retrying
             (a failure certain to repeat stops at once: docs/restarts.md).
+        min_ranks: with ``backend="ray"`` and ``max_restarts``: a restart after a lost node
+            runs on the ranks the cluster can still place, as few as ``min_ranks`` (it waits
+            for that many); a `gangrun.Checkpointer` reshards the state onto them
+            (docs/long_runs.md, "Another number of GPUs"). Default: every restart has the
+            call's world size.
         restart_backoff: seconds to wait before the first restart, doubled for each next one
             (default 1; 0: restart at once).
         restart_backoff_max: the longest wait between two attempts (default 60 s).
@@ -302,6 +307,7 @@ class Options:
     mlflow: bool = True
     env: Mapping[str, str] = field(default_factory=dict)
     max_restarts: int = 0
+    min_ranks: int | None = None
     output: Literal["all", "rank0", "none"] = "all"
     # Beyond the spec's table: knobs users of long jobs ask for.
     max_capture_bytes: int | None = DEFAULT_MAX_CAPTURE_BYTES
@@ -355,6 +361,7 @@ class Options:
             _int("gpus", self.gpus, 1)
         _int("processes", self.processes, 1)
         _int("max_restarts", self.max_restarts, 0)
+        _int("min_ranks", self.min_ranks, 1)
         for name in ("timeout", "hang_timeout"):
             v = getattr(self, name)
             if v is None:

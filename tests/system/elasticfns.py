@@ -61,7 +61,11 @@ def _full(model: Any, opt: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     )
 
 
-def train(framework: str, total: int) -> dict[str, Any]:
+def train(
+    framework: str, total: int, pause: float = 0.0, every: int | None = None
+) -> dict[str, Any]:
+    import time
+
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -77,7 +81,7 @@ def train(framework: str, total: int) -> dict[str, Any]:
     model = _model(framework)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     state = {"model": model, "optim": opt, "loader": loader, "epoch": 0}
-    ckpt = gangrun.Checkpointer(state, keep=2, async_save=False)
+    ckpt = gangrun.Checkpointer(state, keep=2, async_save=False, every=every)
     start = step = ckpt.restore()
     restored = _full(model, opt) if start else None
     reads: dict[int, list[int]] = {}
@@ -96,6 +100,7 @@ def train(framework: str, total: int) -> dict[str, Any]:
             losses[step] = mean.item() / world
             ckpt.step_done(step, total)
             step += 1
+            time.sleep(pause)
             if step >= total:
                 break
         else:

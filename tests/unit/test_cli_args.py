@@ -57,6 +57,7 @@ FLAG_CASES = [
     (["--gpus", "2"], "gpus", 2),
     (["--gpus", "0,3"], "gpus", [0, 3]),
     (["--processes", "3"], "processes", 3),
+    (["--min-ranks", "2"], "min_ranks", 2),
     (["--nproc", "2"], "processes", 2),
     (["--gpu-type", "H100"], "gpu_type", "H100"),
     (["--timeout", "1h"], "timeout", 3600.0),

@@ -23,6 +23,7 @@ ENV_CASES = {
     "mlflow": ("no", False),
     "env": ('{"A": "1", "B": "x y"}', {"A": "1", "B": "x y"}),
     "max_restarts": ("2", 2),
+    "min_ranks": ("2", 2),
     "restart_backoff": ("2.5", 2.5),
     "restart_backoff_max": ("5m", 300.0),
     "output": ("rank0", "rank0"),

@@ -63,6 +63,12 @@ def check_gpu_type(pool: Sequence[Accelerator], gpu_type: str | None) -> None:
 
 def plan_local(fn: Callable[..., Any], opts: Options) -> Plan:
     """World size and candidate devices on this node (raises ``LaunchError``)."""
+    if opts.min_ranks is not None:
+        raise LaunchError(
+            f"min_ranks={opts.min_ranks} restarts a Ray call on fewer ranks after a lost node; "
+            "this call runs on this node (backend='local'). Pass backend='ray', or leave "
+            "min_ranks out."
+        )
     plan = Plan(0)
     if opts.processes is not None and opts.gpu_type is None:
         plan.world_size = opts.processes

@@ -10,9 +10,12 @@ the `gangrun.launch.RayPlacement` the Ray launcher uses. Its settings are the fi
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
+import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import contract
 from ..errors import LaunchError
@@ -20,6 +23,9 @@ from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import connect, fmt_resources
 from ..options import Options, setting
 from .plan import Plan
+
+if TYPE_CHECKING:
+    from .record import CallRecord
 
 # Caller variables shipped to remote ranks even though gangrun did not set them; the rest of
 # the caller's environment (PATH, HOME, virtualenv...) belongs to the caller's machine.
@@ -77,6 +83,16 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
             )
         plan.world_size = opts.gpus if opts.gpus is not None else int(have)
         kind = "GPU"
+    if opts.min_ranks is not None and opts.max_restarts < 1:
+        raise LaunchError(
+            f"min_ranks={opts.min_ranks} applies to restarts, and max_restarts is 0: pass "
+            "max_restarts=N (N >= 1) too, or leave min_ranks out."
+        )
+    if opts.min_ranks is not None and opts.min_ranks > plan.world_size:
+        raise LaunchError(
+            f"min_ranks={opts.min_ranks} is more than the call's {plan.world_size} ranks: "
+            f"give min_ranks <= {plan.world_size}."
+        )
     if plan.world_size > have:
         raise LaunchError(
             f"{'processes' if kind == 'CPU' else 'gpus'}={plan.world_size} but the Ray "
@@ -113,6 +129,49 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
         shipping=opts.ray,
     )
     return plan, placement
+
+
+def resize(call: CallRecord, gang: Any, wait_s: float = 60.0) -> CallRecord:
+    """The record of a ``min_ranks`` call's next attempt: as many ranks as it asked for when
+    the cluster can place them now, else as many as it can (at least ``min_ranks``: the
+    placement then waits for them). The nodes of the ranks lost in the last attempt are
+    first waited for, ``wait_s`` at most, until Ray has them dead (its health checks take
+    seconds), so their resources are not counted."""
+    opts, placement = call.options, call.placement
+    assert placement is not None and opts.min_ranks is not None
+    ray = connect(opts.address)
+    kind = "GPU" if "GPU" in placement.bundle else "CPU"
+    lost = set(getattr(getattr(gang, "spawner", None), "lost_nodes", None) or ())
+    deadline = time.monotonic() + wait_s
+    while lost and time.monotonic() < deadline:
+        if not lost & {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:
+            break
+        time.sleep(0.25)
+    if opts.processes is not None:
+        want = opts.processes
+    elif isinstance(opts.gpus, int):
+        want = opts.gpus
+    else:
+        want = int(ray.cluster_resources().get(kind, 0)) or call.world_size
+    have, still = -1, 0  # the last gang's bundles come back as its placement group goes
+    while time.monotonic() < deadline and still < 4:
+        now = int(ray.available_resources().get(kind, 0) + 1e-9)
+        if now >= want:
+            have = now
+            break
+        still = still + 1 if now == have else 0
+        have = now
+        time.sleep(0.25)
+    world = max(opts.min_ranks, min(want, have))
+    if world != call.world_size:
+        print(
+            f"gangrun: restarting {call.fn_name} on {world} ranks (the cluster can place {have} "
+            f"{kind} bundle(s) of the {want} asked; min_ranks={opts.min_ranks})",
+            file=call.stderr,
+        )
+        sys.stderr.flush()
+        return dataclasses.replace(call, plan=dataclasses.replace(call.plan, world_size=world))
+    return call
 
 
 def runtime_env_of(opts: Options) -> dict[str, Any]:
@@ -218,4 +277,4 @@ def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
         ) from exc
 
 
-__all__ = ["plan_ray", "ship_env", "runtime_env_of"]
+__all__ = ["plan_ray", "resize", "ship_env", "runtime_env_of"]

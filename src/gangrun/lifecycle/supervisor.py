@@ -25,7 +25,7 @@ from ..launch import Gang, GangSpec, RankExit, open_gang
 from ..options import Options
 from ..records import RankContext
 from ..rundir import RunDir, create, reap_stale, remove_unrecorded
-from . import calls
+from . import calls, monitor
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, release_location, request_stop
 from .collect import RankFiles
@@ -47,13 +47,9 @@ from .seams import (
 from .state import (
     Attempt,
     CancelRequested,
-    DeadlineReached,
-    Event,
-    HangDetected,
     LaunchFailed,
     Outcome,
     PreemptRequested,
-    RankExited,
     State,
     StateMachine,
 )
@@ -348,6 +344,10 @@ class Supervisor:
                     )
                     if waited is None:
                         self._attempt += 1
+                        if self.opts.min_ranks and self.call.placement is not None:
+                            from .ray_plan import resize  # after a lost node
+
+                            self.call = resize(self.call, self.gang)
                         self._launch_attempt()
                         continue
                     attempt = waited  # cancelled or out of time while waiting to restart
@@ -358,72 +358,28 @@ class Supervisor:
             log.exception("the monitor of call %s failed", self.run_id)
             self._end(exc)
 
-    def _next_event(self, events: queue.Queue[QueueItem], wait: float | None) -> Event | None:
-        try:
-            item = events.get(timeout=wait)
-        except queue.Empty:
-            return None
-        return RankExited(item) if isinstance(item, RankExit) else item  # type: ignore[no-any-return]
-
     def _watch_attempt(self) -> Attempt:
-        assert self.rundir is not None and self.gang is not None
-        gang, events, n = self.gang, self._events, self.world_size
-        assert events is not None
-        timeout = self.opts.timeout
+        assert self.rundir is not None and self.gang is not None and self._events is not None
+        gang, n, timeout = self.gang, self.world_size, self.opts.timeout
         deadline = None if timeout is None else self._started + timeout
-        remaining = set(range(n))
-        exits: dict[int, RankExit] = {}
-        ending: Event | None = None
         guard = None
         if self.opts.hang_timeout is not None:
             from .hang import HangGuard
 
             guard = HangGuard(self.rundir.path, self.rundir.logs, n, self.opts.hang_timeout)
+        remaining, exits = set(range(n)), dict[int, RankExit]()
         try:
-            while remaining:
-                if self._cancel_reason is not None:
-                    ending = CancelRequested(self._cancel_reason)
-                    break
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    ending = DeadlineReached(float(timeout or 0))
-                    break
-                if guard is not None:
-                    wait = guard.poll_interval if wait is None else min(wait, guard.poll_interval)
-                ev = self._next_event(events, wait)
-                if ev is None:
-                    stalled = guard.check(sorted(remaining)) if guard is not None else []
-                    if guard is not None and stalled:
-                        guard.dump_stacks(gang.pids, sorted(remaining))
-                        ending = HangDetected(stalled)
-                        break
-                    continue
-                if isinstance(ev, PreemptRequested):
-                    continue  # the ranks save and stop (rank/stop.py); for a back-off only
-                if not isinstance(ev, RankExited):
-                    ending = ev
-                    break
-                exits[ev.rank] = ev.exit
-                self._observers.on_rank_exit(ev.rank, ev.exit.exitcode, False)
-                remaining.discard(ev.rank)
-                if self._files.exit_failed(ev.exit):
-                    ending = ev
-                    break
+            ending = monitor.wait_attempt(
+                self._events, remaining, exits, deadline, timeout, guard, lambda: gang.pids,
+                lambda: self._cancel_reason, self._observers.on_rank_exit, self._files.exit_failed,
+            )  # fmt: skip
         finally:
             self._machine.to(State.STOPPING)
             teardown_at = time.time()
             self._close_gang(stop=bool(remaining), grace=None)
-        while True:  # exits that arrived during the teardown
-            late = self._next_event(events, 0)
-            if late is None:
-                break
-            if isinstance(late, RankExited) and late.rank not in exits:
-                exits[late.rank] = late.exit
-                self._observers.on_rank_exit(late.rank, late.exit.exitcode, True)
-        assert self.gang is not None
-        pids = dict(self.gang.pids)
+        monitor.late_exits(self._events, exits, self._observers.on_rank_exit)
         attempt, self.outcome.results = self._files.ended(
-            self._attempt, ending, exits, teardown_at, pids, guard
+            self._attempt, ending, exits, teardown_at, dict(gang.pids), guard
         )
         return attempt
 

@@ -109,6 +109,9 @@ class RayProcess:
             if self.spawner.stopping:
                 return -signal.SIGKILL
             self.lost = lost_actor(self.rank, self.spawner.nodes, lost)
+            info = self.spawner.nodes.get(self.rank)
+            if info is not None:
+                self.spawner.lost_nodes.add(info.node_id)
             return 1
         return code
 
@@ -131,6 +134,7 @@ class RaySpawner:
         self.placement = placement_of(spec)
         self.run_dir = spec.run_dir
         self.nodes: dict[int, NodeInfo] = {}
+        self.lost_nodes: set[str] = set()  # nodes of ranks whose actor was lost
         self.actors: dict[int, Any] = {}
         self.pg: Any = None
         self.stopping = False
