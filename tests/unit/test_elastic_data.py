@@ -228,3 +228,47 @@ def test_len_of_a_loader_is_the_datasets(tmp_path):
     _write_table(tdir)
     t, tl = table(0, 2, 0, root=tdir, shuffle=False, batch=50, buf=64)
     assert len(tl) == len(t) == 12 == len(list(tl))
+
+
+def test_rank_scope_rest_then_another_world(tmp_path):
+    # 2 ranks x 2 workers, cut; the same 2 ranks without workers (each continues its own
+    # share: a rank-scoped rest), cut again; then 3 ranks: every row once overall
+    root = str(tmp_path / "t")
+    total = _write_table(root)
+
+    def make(r, w, workers):
+        return table(r, w, workers, root=root, shuffle=True, batch=30, buf=90)
+
+    head, s1 = _world(make, 2, 2, cut=3)
+    mid, s2 = _world(make, 2, 0, cut=4, states=s1)
+    assert all("base" in json.loads(v) for k, v in s2.items() if k.startswith("rank"))
+    tail, _ = _world(make, 3, 0, states=s2)
+    read = collections.Counter(x for part in head + mid + tail for x in part)
+    assert sorted(read) == total and max(read.values()) == 1
+
+
+@pytest.mark.parametrize("uneven", ["pad", "drop"])
+def test_uneven_counts_repeat_or_leave_fewer_than_a_world(tmp_path, uneven):
+    # 13 files over 2 then 3 ranks: pad repeats fewer than `new` files, drop leaves fewer
+    # than `old` + `new` unread (each world cuts its own end); nothing else is repeated or lost
+    root = str(tmp_path / "v")
+    os.makedirs(root)
+    for i in range(13):
+        with open(os.path.join(root, f"f{i:02d}.json"), "w") as f:
+            json.dump([i], f)
+
+    def make(r, w, workers):
+        ds = VolumeDataset(
+            root, shuffle=True, seed=2, decode=_decode, rank=r, world_size=w, uneven=uneven
+        )
+        return ds, ds.loader(batch_size=1, num_workers=workers)
+
+    head, states = _world(make, 2, 0, cut=2)
+    tail, _ = _world(make, 3, 0, states=states)
+    read = collections.Counter(x for part in head + tail for x in part)
+    if uneven == "pad":
+        assert set(read) == set(range(13)) and sum(read.values()) - 13 <= 2
+    else:
+        # the old world's drop (1 file) and the new world's of the rest (fewer than 3)
+        assert max(read.values()) == 1 and 13 - len(read) <= 1 + 2
+        assert len({len(t) for t in tail}) == 1  # every new rank reads as many

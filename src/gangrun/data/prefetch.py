@@ -15,8 +15,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: progress of a worker: (file position, samples of that file done, samples yielded in all)
+#: progress of a worker: (file position, samples of that file done, samples yielded in all);
+#: after a file's last sample, (the next file's position, 0, yielded)
 Progress = tuple[int, int, int]
+_END = object()
 
 
 def decoded(decode: Callable[[bytes], Any] | None, data: bytes) -> Iterable[Any]:
@@ -84,19 +86,24 @@ def stream(
             if decode is None and not skip:  # the common case, without a per-sample loop
                 k = 1
                 yielded += 1
-                yield data, (fpos, 1, yielded)
+                yield data, (fpos + 1, 0, yielded)  # the file is done: its one sample read
                 if quota is not None and yielded >= quota:
                     return
             else:
+                # one sample ahead, so the last sample of a file says the file is done
+                # (``(next file, 0, ...)``): a rest of the epoch then knows it is finished
                 k = 0
-                for sample in decoded(decode, data):
+                it = iter(decoded(decode, data))
+                cur = next(it, _END)
+                while cur is not _END:
+                    nxt = next(it, _END)
                     k += 1
-                    if k <= skip:
-                        continue
-                    yielded += 1
-                    yield sample, (fpos, k, yielded)
-                    if quota is not None and yielded >= quota:
-                        return
+                    if k > skip:
+                        yielded += 1
+                        yield cur, ((fpos + 1, 0, yielded) if nxt is _END else (fpos, k, yielded))
+                        if quota is not None and yielded >= quota:
+                            return
+                    cur = nxt
             empty_run = empty_run + 1 if k == 0 else 0
             if quota is not None and empty_run > n:
                 raise ValueError("samples_per_rank: none of this rank's files holds a sample")
