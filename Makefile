@@ -1,5 +1,6 @@
 # Two entry points for a fresh machine with only Python 3.10+:
 #   make demo   - train a small MLP with DDP on 2 CPU processes, show results and the MLflow run
+#                 (installs only requirements-demo.txt: torch's CPU pin and MLflow)
 #   make test   - lint, type-check and the whole test suite (which also builds the docs with
 #                 warnings as errors and installs the wheel into a fresh venv); prints the
 #                 slowest tests, and fails when tests/unit exceeds its time budget
@@ -14,6 +15,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
@@ -22,14 +24,23 @@ export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
 venv: $(STAMP)
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt requirements-demo.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-demo: $(STAMP)
+# the demo's own stamp: what it needs, not the development toolchain (a venv that has the
+# dev set already satisfies it at once)
+$(DEMO_STAMP): requirements-demo.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-demo.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) examples/mlp_ddp.py
 
 test: $(STAMP)

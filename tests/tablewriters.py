@@ -102,3 +102,35 @@ def in_pool(ds: Any, address: int) -> bool:
         b.ctypes.data <= address < b.ctypes.data + pool.block_bytes
         for b in (pool.block(i) for i in range(pool.workers * pool.per_worker))
     )
+
+
+def corrupt_page(path: str, row_group: int, column: int, at: str = "middle") -> None:
+    """Overwrite 8 bytes of a data page of ``column`` in ``row_group`` of the local Parquet
+    file ``path``, keeping its footer intact: ``at="header"`` in the page's header (pyarrow:
+    "Couldn't deserialize thrift"), ``"middle"`` in the middle of its (dictionary-encoded)
+    data ("Unexpected end of stream")."""
+    import pyarrow.parquet as pq
+
+    chunk = pq.read_metadata(path).row_group(row_group).column(column)
+    page = chunk.data_page_offset
+    end = (chunk.dictionary_page_offset or page) + chunk.total_compressed_size
+    with open(path, "r+b") as f:
+        f.seek(page + 2 if at == "header" else page + (end - page) // 2)
+        f.write(b"\xff" * 8)
+    assert pq.read_metadata(path).num_rows > 0  # the footer still reads
+
+
+def write_bad_utf8(path: str) -> None:
+    """A Parquet file of 1000 rows (``id``, ``label``; row groups of 500) whose row group 1
+    holds a ``label`` that is not UTF-8: it reads, and fails only when converted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pa.table({"id": list(range(1000)), "label": [f"row-{i:06d}" for i in range(1000)]})
+    pq.write_table(t, path, compression="none", use_dictionary=False, row_group_size=500)
+    chunk = pq.read_metadata(path).row_group(1).column(1)
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.index(b"row-000700", chunk.data_page_offset)
+        f.seek(at + 5)
+        f.write(b"\xff\xfe")

@@ -276,13 +276,18 @@ def matches_type(device_name: str, gpu_type: str) -> bool:
 def device() -> Any:
     """The torch device this rank should use: ``cuda:LOCAL_RANK`` when CUDA is there, else CPU.
 
-    Keeps training code identical between a laptop (``processes=2``) and a GPU node.
+    A CUDA device is also made this rank's current device (``torch.cuda.set_device``, as
+    Accelerate's ``device`` does): ``nccl`` needs it, and tensors made with ``"cuda"`` land
+    on the rank's own GPU, not GPU 0. Call it before ``init_process_group``. Keeps training
+    code identical between a laptop (``processes=2``) and a GPU node.
     """
     import torch
 
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local % max(1, torch.cuda.device_count()))
+        dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+        return dev
     return torch.device("cpu")
 
 

@@ -97,3 +97,27 @@ def test_resume_after_restart_through_checkpoint(s3, tmp_path):
         assert len(head) + len(rest) == len(ids) // 2
         seen += head + rest
     assert sorted(seen) == sorted(ids)  # every row of the epoch, exactly once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_corrupt_page_is_named_in_the_callers_error(tmp_path, workers):
+    """A data page overwritten in the middle (the footer intact) fails the call with an error
+    naming the file, the row group and the rank (issue 31 item 5: "Unexpected end of stream"
+    or "Caught OSError in DataLoader worker", naming nothing). Direct iteration, the scanner
+    path, the hand-over and the cache fills: tests/unit/test_read_errors.py."""
+    source = str(tmp_path / "pq")
+    tw.write_parquet(source)
+    bad = os.path.join(source, "part-002.parquet")  # rows 2000..3000: rank 1's
+    tw.corrupt_page(bad, row_group=1, column=1)
+    with pytest.raises(gangrun.DistributedError) as info:
+        _gang(tablefns.read_all).distributed(source, str(tmp_path / "cache"), workers)
+    err = info.value
+    assert err.rank == 1 and err.exc_type.endswith("DataReadError"), (err.rank, err.exc_type)
+    text = str(err)
+    first = text.splitlines()[0]  # also when a DataLoader worker raised it
+    assert "on rank 1 " in first or "on rank 1 (" in first, text
+    assert f"could not read row group 1 of {bad!r}" in first, text
+    assert "Unexpected end of stream" in text, text
+    if workers:
+        assert "(DataLoader worker " in text, text

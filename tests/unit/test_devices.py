@@ -155,3 +155,31 @@ def test_gpu_usage_without_a_driver():
         raise RuntimeError("NVML Shared Library Not Found")
 
     assert accelerators.gpu_usage(types.SimpleNamespace(nvmlInit=fail)) is None
+
+
+@pytest.mark.parametrize(("local_rank", "count", "want"), [("0", 2, 0), ("3", 4, 3), ("5", 4, 1)])
+def test_device_makes_the_ranks_gpu_current(monkeypatch, local_rank, count, want):
+    """`gangrun.device()` sets the rank's current CUDA device (nccl needs it; issue 31 item
+    12). No GPU here: CUDA's answers are stand-ins, the call to `set_device` is recorded."""
+    torch = pytest.importorskip("torch")
+    import gangrun
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    dev = gangrun.device()
+    assert dev == torch.device("cuda", want)
+    assert [torch.device(d).index for d in chosen] == [want]
+    assert gangrun.backend() == "nccl"
+
+
+def test_device_on_cpu_sets_no_cuda_device(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import gangrun
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert gangrun.device() == torch.device("cpu") and chosen == []

@@ -288,6 +288,35 @@ def test_delta_versions_and_added_column(delta, tmp_path):
     assert set(got) == want and len(got) - len(want) <= 1
 
 
+def test_delta_timestamp_selects_the_version_current_then(tmp_path):
+    """A time between two commits selects the older one, as deltalake's own load-as-of does
+    (issue 31 item 6: every time before the newest commit was refused, "first commit is
+    after", because the guard read the newest commit's time); a time before the first commit
+    is still refused."""
+    import time
+
+    from deltalake import DeltaTable, write_deltalake
+
+    uri = str(tmp_path / "t")
+    first = datetime.datetime.now(datetime.timezone.utc)
+    stamps = []
+    for k in range(4):  # 4 commits, 100 rows each, a time between each pair (and after)
+        time.sleep(0.05)  # commit times are in ms (file times: a few ms coarse)
+        write_deltalake(uri, pa.table({"id": list(range(100 * k, 100 * k + 100))}), mode="append")
+        time.sleep(0.05)
+        stamps.append(datetime.datetime.now(datetime.timezone.utc))
+    for k, stamp in enumerate(stamps):
+        ref = DeltaTable(uri)
+        ref.load_as_version(stamp)
+        want = set(ref.to_pyarrow_table().column("id").to_pylist())
+        for t in (stamp, stamp.isoformat(), stamp.replace(tzinfo=None)):  # naive: UTC
+            ds = TableDataset(uri, timestamp=t, batch_size=1000)
+            assert ds.table.version == ref.version() == k, (k, t)
+            assert set(_ids(ds)) == want == set(range(100 * (k + 1)))
+    with pytest.raises(TableError, match="has no version at or before .*first commit is after"):
+        TableDataset(uri, timestamp=first)
+
+
 def test_delta_is_read_from_its_log_not_the_directory(delta, tmp_path):
     uri, _, ids1 = delta
     import shutil

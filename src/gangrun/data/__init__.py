@@ -39,6 +39,8 @@ torch):
   fsspec);
 - ``cache``: `FileCache`, the node-local cache of remote files;
 - ``prefetch``: reading a worker's files in order with misses fetched ahead;
+- ``read_errors``: `DataReadError`, the error of a file that cannot be read, decoded or
+  handed over, naming the file (and row group), the rank and the DataLoader worker;
 - ``dataset``: [`VolumeDataset`][gangrun.data.VolumeDataset];
 - ``loader``: `VolumeLoader`;
 - ``table``: `TableDataset`, batches of a Parquet or Delta Lake table (SPEC section 11),
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from .dataset import VolumeDataset
     from .listing import FileEntry
     from .loader import VolumeLoader
+    from .read_errors import DataReadError
     from .sampler import DistributedSampler, per_rank_batch
     from .table import TableDataset, TableLoader
     from .table_source import TableError
@@ -77,6 +80,7 @@ _WHERE = {
     "TableDataset": "table",
     "TableLoader": "table",
     "TableError": "table_source",
+    "DataReadError": "read_errors",
     "DistributedSampler": "sampler",
     "per_rank_batch": "sampler",
 }
@@ -87,6 +91,7 @@ __all__ = [
     "TableDataset",
     "TableError",
     "TableLoader",
+    "DataReadError",
     "FileCache",
     "FileEntry",
     "default_cache_dir",

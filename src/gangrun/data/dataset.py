@@ -19,6 +19,7 @@ from . import elastic, sharding
 from .cache import FileCache, parse_size
 from .listing import LOCAL_PROTOCOLS, FileEntry, list_files, read_local
 from .prefetch import Progress, stream
+from .read_errors import DataReadError, place, read_error
 from .resumable import ResumableEpochs
 
 if TYPE_CHECKING:
@@ -201,7 +202,29 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             decode=self.decode,
             prefetch=0 if hit is read_local else self.prefetch,
             skips=skips,
+            on_error=self._read_error,
         )
+
+    def _read_error(self, entry: FileEntry, stage: str, error: Exception) -> BaseException | None:
+        """The error to raise for ``error`` reading (or decoding) ``entry``: it names the
+        file, the rank and the DataLoader worker (the original error chained)."""
+        if isinstance(error, DataReadError):
+            return None
+        copy = None
+        if self.cached and self.protocol not in LOCAL_PROTOCOLS:
+            copy = self._file_cache().path(self._key(entry))
+        if stage == "decode":
+            name = getattr(self.decode, "__qualname__", None) or repr(self.decode)
+            return read_error(
+                "VolumeDataset",
+                [f"{place(entry.path, copy=copy)} (decode={name})"],
+                error,
+                self.rank_world()[0],
+                doing="could not decode",
+                hint="The file is damaged or not what decode expects: check it, rewrite or "
+                "remove it (or fix decode), and run again.",
+            )
+        return read_error("VolumeDataset", [place(entry.path)], error, self.rank_world()[0])
 
     def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
         from torch.utils.data import get_worker_info

@@ -2,8 +2,9 @@
 
 `stream` turns a worker's list of files into ``(sample, progress)`` pairs. Files at hand
 (cache hits, local files) are read inline; after a miss the next ``prefetch`` files are fetched
-in the background, several at a time, and the window is kept full until hits resume. This
-module does not import torch or fsspec.
+in the background, several at a time, and the window is kept full until hits resume. An error
+reading or decoding a file, inline or in the background, is handed to ``on_error`` with the
+file, so the error raised names it. This module does not import torch or fsspec.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+#: ``on_error(file, stage, error)`` -> the error to raise instead (chained), or None: as it is;
+#: ``stage`` is ``"read"`` or ``"decode"``
+OnError = Callable[[Any, str, Exception], "BaseException | None"]
 
 #: progress of a worker: (file position, samples of that file done, samples yielded in all);
 #: after a file's last sample, (the next file's position, 0, yielded)
@@ -41,6 +45,7 @@ def stream(
     decode: Callable[[bytes], Any] | None,
     prefetch: int,
     skips: Sequence[int] | None = None,
+    on_error: OnError | None = None,
 ) -> Iterator[tuple[Any, Progress]]:
     """``(sample, progress)`` pairs of ``files``, from position ``start`` (a saved progress).
 
@@ -50,6 +55,7 @@ def stream(
     ``prefetch`` is the read-ahead window after a miss (0: no background threads).
     ``skips[i]``: samples of file ``i`` already read elsewhere (the rest of an epoch resumed on
     another layout, `gangrun.data.elastic`); its progress counts them.
+    ``on_error`` names the file in an error reading or decoding it (see `OnError`).
     """
     fpos, skip, yielded = (list(start) + [0, 0, 0])[:3] if start else (0, 0, 0)
     if skips is not None and fpos < len(skips):
@@ -72,17 +78,23 @@ def stream(
     try:
         while limit is None or fpos < limit:
             fut = ahead.pop(fpos, None) if ahead else None
-            if fut is not None:
-                data: bytes | None = fut.result()
-            else:
-                data = hit(files[fpos % n]) if hit is not None else None
+            try:
+                if fut is not None:
+                    data: bytes | None = fut.result()
+                else:
+                    data = hit(files[fpos % n]) if hit is not None else None
+            except Exception as e:
+                _fail(on_error, files[fpos % n], "read", e)
             if pool is not None and (fut is not None or data is None):
                 last = fpos + prefetch if limit is None else min(fpos + prefetch, limit - 1)
                 for i in range(fpos + 1, last + 1):
                     if i not in ahead:
                         ahead[i] = pool.submit(read, files[i % n])
             if data is None:
-                data = read(files[fpos % n])
+                try:
+                    data = read(files[fpos % n])
+                except Exception as e:
+                    _fail(on_error, files[fpos % n], "read", e)
             if decode is None and not skip:  # the common case, without a per-sample loop
                 k = 1
                 yielded += 1
@@ -93,7 +105,7 @@ def stream(
                 # one sample ahead, so the last sample of a file says the file is done
                 # (``(next file, 0, ...)``): a rest of the epoch then knows it is finished
                 k = 0
-                it = iter(decoded(decode, data))
+                it = _named(decoded, decode, data, on_error, files[fpos % n])
                 cur = next(it, _END)
                 while cur is not _END:
                     nxt = next(it, _END)
@@ -116,4 +128,35 @@ def stream(
             pool.shutdown(wait=False)
 
 
-__all__ = ["Progress", "decoded", "stream"]
+def _fail(on_error: OnError | None, file: Any, stage: str, error: Exception) -> NoReturn:
+    """Raise ``on_error``'s error for ``error`` (chained), else ``error`` itself."""
+    other = on_error(file, stage, error) if on_error is not None else None
+    if other is None or other is error:
+        raise error
+    raise other from error
+
+
+def _named(
+    samples: Callable[[Any, bytes], Iterable[Any]],
+    decode: Callable[[bytes], Any] | None,
+    data: bytes,
+    on_error: OnError | None,
+    file: Any,
+) -> Iterator[Any]:
+    """The samples of ``data``; an error of ``decode`` (or of its iterator) names ``file``.
+    An error thrown in at a ``yield`` (the consumer's) is not the decoder's: it passes as is."""
+    try:
+        it = iter(samples(decode, data))
+    except Exception as e:
+        _fail(on_error, file, "decode", e)
+    while True:
+        try:
+            sample = next(it)
+        except StopIteration:
+            return
+        except Exception as e:
+            _fail(on_error, file, "decode", e)
+        yield sample
+
+
+__all__ = ["OnError", "Progress", "decoded", "stream"]

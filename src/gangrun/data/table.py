@@ -24,12 +24,14 @@ from . import table_plan as plan
 from .cache import parse_size
 from .listing import LOCAL_PROTOCOLS
 from .loader import keep_workers_by_default
+from .read_errors import place, read_error
 from .resumable import ResumableEpochs
 from .table_convert import OUTPUTS, as_record_batch, convert
 from .table_delta import resolve
 from .table_loader import TableLoader
 from .table_loader import identity as _identity
 from .table_source import (
+    READ_ERRORS,
     FileAccess,
     Reader,
     TableError,
@@ -41,6 +43,12 @@ from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, to_wire, to_wire_
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+_DAMAGED = (
+    "The row group's data is damaged (e.g. a string column that is not UTF-8): check it "
+    "(pyarrow.parquet.ParquetFile(path).read_row_group(n).validate(full=True)), rewrite or "
+    "remove the file, and run again."
+)
 
 
 class TableDataset(ResumableEpochs, IterableDataset):
@@ -86,7 +94,9 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
     Raises ``TableError`` (a ``ValueError``) when the dataset is made: missing column, files
     with different schemas, an empty table, a Delta version that does not exist, a path that
-    is not a table, a Delta feature it cannot read correctly.
+    is not a table, a Delta feature it cannot read correctly. A file that cannot be read
+    (a damaged page, a file gone since it was listed) raises
+    `gangrun.data.DataReadError` naming the file, the row group and the rank.
     """
 
     def __init__(
@@ -185,8 +195,11 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _chunks(self, order: list[int], wpos: int, wrows: int, done: int) -> Iterator[pa.Table]:
-        """Arrow tables holding the worker run's rows from row ``done`` on, in order."""
+    def _chunks(
+        self, order: list[int], wpos: int, wrows: int, done: int
+    ) -> Iterator[tuple[pa.Table, list[int]]]:
+        """Arrow tables holding the worker run's rows from row ``done`` on, in order, each
+        with the units (row groups) its rows come from."""
         import numpy as np
         import pyarrow as pa
 
@@ -200,17 +213,18 @@ class TableDataset(ResumableEpochs, IterableDataset):
         try:
             if not self.shuffle:
                 for p in reader.todo:
-                    yield reader.read(p)
+                    yield reader.read(p), [p.unit]
                 return
             for j, lo, n, skip in plan.blocks(done, wrows, self.shuffle_buffer):
-                parts = [reader.read(p) for p in plan.pieces(order, self._unit_rows, wpos + lo, n)]
+                todo = plan.pieces(order, self._unit_rows, wpos + lo, n)
+                parts = [reader.read(p) for p in todo]
                 block = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
                 rng = np.random.default_rng(plan.block_seed(self.seed, self._epoch, wpos, j))
-                yield block.take(rng.permutation(n)[skip:])
+                yield block.take(rng.permutation(n)[skip:]), [p.unit for p in todo]
         finally:
             reader.close()
 
-    def _rows_at(self, positions: Any, keep: int = 4) -> Iterator[pa.Table]:
+    def _rows_at(self, positions: Any, keep: int = 4) -> Iterator[tuple[pa.Table, list[int]]]:
         """Arrow tables of the rows at epoch ``positions``, in that order (the rest of an
         epoch, `elastic`), ``shuffle_buffer`` rows at a time: each row group they touch is
         read whole, and the last ``keep`` read are kept (the rest of a shuffled block spans
@@ -255,14 +269,14 @@ class TableDataset(ResumableEpochs, IterableDataset):
                 place[uniq] = np.concatenate([[0], np.cumsum(rows[uniq])[:-1]])
                 block = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
                 local = place[ids] + (positions[lo : lo + len(ids)] - offsets[ids])
-                yield block.take(local)
+                yield block.take(local), [order[i] for i in uniq.tolist()]
         finally:
             kept.clear()
             reader.close()
 
     def _batches(
         self,
-        chunks: Callable[[int], Iterator[pa.Table]],
+        chunks: Callable[[int], Iterator[tuple[pa.Table, list[int]]]],
         done: Sequence[int] | None,
         wire: bool = False,
     ) -> Iterator[tuple[Any, Any]]:
@@ -288,44 +302,63 @@ class TableDataset(ResumableEpochs, IterableDataset):
         group_bytes = 0
         limit = 1  # wire: batches in the next chunk (1, 2, 4, ...: the first batch comes early)
         start = (nb, nr)
+        buf_units: list[int] = []  # the row groups the rows of buf (and group) come from
+        group_units: list[int] = []
+
+        def named(units: list[int], error: Exception, doing: str) -> Exception:
+            places = [self._place(u) for u in units]
+            rank = self.rank_world()[0]
+            return read_error("TableDataset", places, error, rank, doing=doing, hint=_DAMAGED)
 
         def emit() -> tuple[Any, Any]:
-            nonlocal nb, nr, buf, have
+            nonlocal nb, nr, buf, have, buf_units
+            units, buf_units = buf_units, []
             table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
             buf, have = [], 0
-            out = convert(as_record_batch(table), self.output, in_worker)
+            try:
+                out = convert(as_record_batch(table), self.output, in_worker)
+            except READ_ERRORS as e:  # a damaged column: a string that is not UTF-8, ...
+                raise named(units, e, "could not convert the rows of") from e
             if self.transform is not None:
                 out = self.transform(out)
             nb, nr = nb + 1, nr + table.num_rows
             return out, (nb, nr)
 
         def flush() -> tuple[Any, Any]:
-            nonlocal group, group_bytes, start, limit
-            chunk = (to_wire_ipc if self.output == "arrow" else to_wire)(group, start, pool, wid)
-            group, group_bytes, start = [], 0, (nb, nr)
+            nonlocal group, group_bytes, start, limit, group_units
+            try:
+                chunk = (to_wire_ipc if self.output == "arrow" else to_wire)(
+                    group, start, pool, wid
+                )
+            except READ_ERRORS as e:  # as in emit: the hand-over converts the columns
+                raise named(group_units, e, "could not hand over the rows of") from e
+            group, group_bytes, start, group_units = [], 0, (nb, nr), []
             limit = min(2 * limit, CHUNK_BATCHES)
             return chunk, (nb, nr)
 
         def add() -> Iterator[tuple[Any, Any]]:
-            nonlocal nb, nr, buf, have, group_bytes
+            nonlocal nb, nr, buf, have, group_bytes, buf_units
             if not wire:
                 yield emit()
                 return
             table = buf[0] if len(buf) == 1 else pa.concat_tables(buf)
             buf, have = [], 0
+            units, buf_units = buf_units, []
             if group and group_bytes + table.nbytes > CHUNK_BYTES:
                 yield flush()
             group.append(table)
+            group_units.extend(units)
             group_bytes += table.nbytes
             nb, nr = nb + 1, nr + table.num_rows
             if len(group) >= limit:
                 yield flush()
 
-        for chunk in chunks(nr):
+        for chunk, units in chunks(nr):
             off = 0
             while off < chunk.num_rows:
                 take = min(bs - have, chunk.num_rows - off)
                 buf.append(chunk.slice(off, take))
+                buf_units.extend(units)
                 have += take
                 off += take
                 if have == bs:
@@ -334,6 +367,11 @@ class TableDataset(ResumableEpochs, IterableDataset):
             yield from add()
         if group:
             yield flush()
+
+    def _place(self, unit: int) -> str:
+        """How an error names row group ``unit`` (its file and index in the file)."""
+        f, g, _ = self.units[unit]
+        return place(self.table.files[f].path, g)
 
     def _iterate(
         self, start: dict[str, Any] | None, tagged: bool, wire: bool = False
@@ -346,16 +384,16 @@ class TableDataset(ResumableEpochs, IterableDataset):
         start = self._plan(start, nw, warn=info is None or info.id == 0)
         wid = self._logical_worker(wid, nw, start)
         wstart = start["workers"][wid] if start is not None else None
-        chunks: Callable[[int], Iterator[pa.Table]]
+        chunks: Callable[[int], Iterator[tuple[pa.Table, list[int]]]]
         if start is not None and start.get("base") is not None:  # the rest of an epoch
             positions = self._split().runs(start, rank)[wid]
 
-            def chunks(done: int) -> Iterator[pa.Table]:
+            def chunks(done: int) -> Iterator[tuple[pa.Table, list[int]]]:
                 return self._rows_at(positions[done:])
         else:
             wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
 
-            def chunks(done: int) -> Iterator[pa.Table]:
+            def chunks(done: int) -> Iterator[tuple[pa.Table, list[int]]]:
                 return self._chunks(self.unit_order(), wpos, wrows, done)
 
         track = info is None and not tagged

@@ -82,12 +82,24 @@ def check_protocol(
         )
 
 
-def _check_commit_time(dt: Any, want: datetime.datetime) -> None:
-    """deltalake loads the first version for a time before the table existed: refuse that."""
-    ms = want.timestamp() * 1000
-    for entry in dt.history():
-        if entry.get("version") == dt.version() and entry.get("timestamp", 0) > ms:
-            raise TableError(f"the table's first commit is after {want.isoformat()}")
+def _check_commit_time(latest: Any, version: int, want: datetime.datetime) -> None:
+    """deltalake loads its earliest version for a time before the table existed: refuse that.
+
+    ``latest`` is the table loaded at its latest version, ``version`` the one deltalake chose
+    for ``want``: it is refused when no older version is kept and its commit is after ``want``.
+    The history must come from the latest snapshot: ``history()`` of a table loaded at an
+    older version lists the newest commits, numbered from the loaded version down."""
+    newest = latest.version()
+    entries = {e.get("version"): e for e in latest.history(limit=newest - version + 2)}
+    if version - 1 in entries or version not in entries:
+        return  # an older version exists: deltalake chose this one for its commit time
+    stamp = entries[version].get("timestamp")
+    if stamp is not None and stamp > want.timestamp() * 1000:
+        when = datetime.datetime.fromtimestamp(stamp / 1000, datetime.timezone.utc)
+        raise TableError(
+            f"the table's first commit is after {want.isoformat()} (its earliest version, "
+            f"{version}, was committed at {when.isoformat()})"
+        )
 
 
 def _table_uri(source: Any, fs: Any, path: str) -> str:
@@ -127,9 +139,13 @@ def open_delta(
         if isinstance(want, datetime.datetime) and want.tzinfo is None:
             want = want.replace(tzinfo=datetime.timezone.utc)
         try:
-            dt.load_as_version(want)
-            if timestamp is not None:
-                _check_commit_time(dt, want)
+            if timestamp is not None:  # keep the latest snapshot for the commit times
+                chosen = DeltaTable(uri, storage_options=opts)
+                chosen.load_as_version(want)
+                _check_commit_time(dt, chosen.version(), want)
+                dt = chosen
+            else:
+                dt.load_as_version(want)
         except Exception as e:
             what = f"version {want}" if version is not None else f"version at or before {want}"
             raise TableError(

@@ -26,9 +26,13 @@ import pyarrow.parquet as pq
 
 from .cache import FileCache
 from .listing import GLOB_CHARS, LOCAL_PROTOCOLS, FileEntry, list_files
+from .read_errors import DataReadError, place, read_error
 
 Unit = tuple[int, int, int]  # (file index, row group index, rows)
 _FORMAT = pds.ParquetFileFormat()
+#: what a damaged file raises while its row groups are read or converted (pyarrow: OSError,
+#: ArrowInvalid, ArrowException; a string column of invalid UTF-8: UnicodeDecodeError)
+READ_ERRORS = (OSError, ValueError, pa.ArrowException)
 
 
 class TableError(ValueError):
@@ -256,11 +260,19 @@ def plan_units(
 
         def count(i: int) -> list[Unit]:
             entry = files[i]
-            path = access.fetch(entry)
+            try:
+                path = access.fetch(entry)
+            except Exception as e:  # the storage's own errors are not one class
+                raise read_error(
+                    "TableDataset", [place(entry.path)], e, doing=_FILL, hint=_FILL_HINT
+                ) from e
             frag = fragment(access, entry, path, table.partitions[i])
             out = []
             for g, rg in enumerate(frag.split_by_row_group()):
-                n = rg.to_table(schema=schema, columns=[], filter=filter_expr).num_rows
+                try:
+                    n = rg.to_table(schema=schema, columns=[], filter=filter_expr).num_rows
+                except OSError as e:  # a damaged page (a filter that does not apply: below)
+                    raise read_error("TableDataset", [place(entry.path, g, path)], e) from e
                 out.append((i, g, n))
             return out
 
@@ -320,6 +332,13 @@ def expression(filter: Any) -> Any:
         raise TableError(f"filter must be a pyarrow Expression or DNF tuples: {e}") from e
 
 
+_FILL = "could not copy into the node cache"
+_FILL_HINT = (
+    "The file was removed or changed since the table was listed, or the storage failed "
+    "(credentials, network): check it, and run again."
+)
+
+
 class Reader:
     """Reads a worker's pieces in order: one open file and one decoded row group at a time;
     remote files are filled into the cache ``prefetch`` files ahead (the prefetch machinery
@@ -336,6 +355,7 @@ class Reader:
             if not uses or uses[-1] != f:
                 uses.append(f)
         self._paths: Iterator[Any] | None = None
+        self.rank = ds.rank_world()[0]
         if not self.access.local and self.access.cached and uses:
             from .prefetch import stream
 
@@ -349,33 +369,54 @@ class Reader:
                 hit=lambda e: (e.path, p) if (p := access.hit(e)) else None,  # type: ignore[arg-type, return-value]
                 decode=None,
                 prefetch=ds.prefetch,
+                on_error=self._fill_error,
             )
         self._file = -1
+        self._copy: str | None = None  # the local copy the open file is read from
         self._groups: list[Any] = []
         self._unit = -1
         self._table: Any = None
         self._direct: pq.ParquetFile | None = None
         self._out_schema = pa.schema([ds.schema.field(c) for c in ds.columns])
 
+    def _fill_error(self, entry: FileEntry, stage: str, error: Exception) -> BaseException | None:
+        """A cache fill's error, naming the file and the rank (see `prefetch.OnError`)."""
+        if isinstance(error, DataReadError):
+            return None
+        return read_error(
+            "TableDataset", [place(entry.path)], error, self.rank, doing=_FILL, hint=_FILL_HINT
+        )
+
+    def place(self, unit: int) -> str:
+        """How an error names row group ``unit`` of the table (see `read_errors.place`)."""
+        f, g, _ = self.ds.units[unit]
+        return place(self.ds.table.files[f].path, g, self._copy if f == self._file else None)
+
     def read(self, piece: Any) -> pa.Table:
         ds = self.ds
         if piece.unit != self._unit:
             f, g, _ = ds.units[piece.unit]
-            if f != self._file:
-                entry = ds.table.files[f]
-                if self.access.local:
-                    path: str | None = entry.path
-                elif self._paths is not None:
-                    (want, path), _ = next(self._paths)
-                    if want != entry.path:  # the reader left the planned order: a bug
-                        raise RuntimeError(f"TableDataset: read {entry.path}, planned {want}")
-                else:
-                    path = None
-                frag = fragment(self.access, entry, path, ds.table.partitions[f])
-                self._groups = frag.split_by_row_group()
-                self._direct = self._direct_file(frag, ds.table.partitions[f], path)
-                self._file = f
-            self._table = self._read(g)
+            entry = ds.table.files[f]
+            path: str | None = entry.path
+            try:
+                if f != self._file:
+                    if self._paths is not None:
+                        (want, path), _ = next(self._paths)
+                        if want != entry.path:  # the reader left the planned order: a bug
+                            raise RuntimeError(f"TableDataset: read {entry.path}, planned {want}")
+                    elif not self.access.local:
+                        path = None
+                    self._file, self._copy = -1, path
+                    frag = fragment(self.access, entry, path, ds.table.partitions[f])
+                    self._groups = frag.split_by_row_group()
+                    self._direct = self._direct_file(frag, ds.table.partitions[f], path)
+                    self._file = f
+                self._table = self._read(g)
+            except DataReadError:
+                raise
+            except READ_ERRORS as e:
+                where = place(entry.path, g, self._copy)
+                raise read_error("TableDataset", [where], e, self.rank) from e
             self._unit = piece.unit
         return self._table.slice(piece.start, piece.length)
 
