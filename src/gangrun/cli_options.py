@@ -122,11 +122,6 @@ def _defaults_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(Options)]
 
 
-def flag_for(option: str) -> str | None:
-    entry = FLAGS.get(option)
-    return entry[0] if entry else None
-
-
 def speak_cli(error: BaseException | str) -> str:
     """An error message rephrased for the command line: ``processes=2`` -> ``--processes 2``.
 

@@ -93,10 +93,6 @@ LOG_LEVEL = "GANGRUN_LOG_LEVEL"
 TRACKING_TIMEOUT = "GANGRUN_TRACKING_TIMEOUT"
 ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 
-# Every variable above that a rank inherits from its caller and that names *this* call:
-# never carried over into a nested or unrelated process (e.g. the fork server).
-PER_CALL = (RUN_ID, RUN_DIR, CALLER_PID, LIVENESS_FD, HANG_TIMEOUT, CHECKPOINT_DIR)
-
 # Process settings (the second table): variable -> (built-in default, what it sets).
 SETTINGS: dict[str, tuple[str, str]] = {
     CACHE_DIR: ("~/.cache/gangrun/data", "gangrun.data's local file cache"),

@@ -218,7 +218,6 @@ def storage_classes() -> dict[str, type]:
                 **storage_options,
             )
             self.url = url
-            self._coordinator = False
             self._storage_options = dict(storage_options)
             self._written: dict[str, list[Any]] = {}  # this rank's files: [size, crc32]
             _v.tap_streams(self.fs, lambda: self.path, self._written)
@@ -233,7 +232,6 @@ def storage_classes() -> dict[str, type]:
 
         def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-            self._coordinator = is_coordinator
             # Runs before any rank writes (their plans come from the coordinator): an old
             # marker must go first, so a half-overwritten checkpoint never looks complete.
             if is_coordinator:
