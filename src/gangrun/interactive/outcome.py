@@ -16,7 +16,7 @@ log = logging.getLogger("gangrun.interactive")
 class PerRank(list):  # type: ignore[type-arg]
     """Per-rank values in rank order; shown one line per rank in a notebook."""
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+    def _repr_pretty_(self, p: Any, _cycle: bool) -> None:
         p.text("\n".join(f"[rank {r}] {v!r}" for r, v in enumerate(self)))
 
 
