@@ -130,6 +130,8 @@ class OutputPump:
         forward = self._mode == "all" or (self._mode == "rank0" and rank == 0)
         target = self._targets[kind] if forward else None
         os.set_blocking(fd, False)
+        if not self._streams:  # the first pipe, before any rank starts: it streams from now
+            self._share()
         s = _Stream(rank, fd, target, log, self._prefix(rank))
         with self._lock:
             self._streams[fd] = s
@@ -139,7 +141,6 @@ class OutputPump:
     def start(self) -> None:
         if not self._started:
             self._started = True
-            self._share()
             self._thread.start()
 
     # -- calls streaming to the same place ----------------------------------------------
