@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -116,3 +117,101 @@ class MlflowServer:
                 pass
         self.proc = None
         assert not alive, f"mlflow server processes survived: {alive}"
+
+
+class BasicAuthProxy:
+    """A real HTTP proxy on a free loopback port that requires HTTP basic authentication
+    (``user``/``password``) and forwards every authenticated request to ``target`` (the
+    ``mlflow server``'s URL): a tracking server behind an auth layer, as in production.
+    A request without the right credentials is answered 401 and counted in ``rejected``;
+    ``served`` counts the forwarded ones. Runs in a daemon thread of the test process;
+    ``stop()`` closes it."""
+
+    def __init__(self, target: str, user: str, password: str) -> None:
+        import base64
+        import http.server
+        import threading
+
+        self.target = target.rstrip("/")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.served = 0
+        self.seen: list[str] = []  # "METHOD path" of every request, in order
+        self.rejected: list[str] = []  # "METHOD path" of each refused request
+        expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass  # quiet
+
+            def _forward(self) -> None:
+                proxy.seen.append(f"{self.command} {self.path}")
+                body = self._body()
+                if self.headers.get("Authorization") != expected:
+                    proxy.rejected.append(f"{self.command} {self.path}")
+                    self.close_connection = True
+                    self._answer(401, {"WWW-Authenticate": 'Basic realm="mlflow"'}, b"")
+                    return
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower()
+                    not in (
+                        "host",
+                        "authorization",
+                        "connection",
+                        "content-length",
+                        "transfer-encoding",
+                    )
+                }
+                req = urllib.request.Request(
+                    proxy.target + self.path, data=body, headers=headers, method=self.command
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:  # noqa: S310
+                        status, got, data = r.status, dict(r.headers.items()), r.read()
+                except urllib.error.HTTPError as exc:
+                    status, got, data = exc.code, dict(exc.headers.items()), exc.read()
+                proxy.served += 1
+                keep = {k: v for k, v in got.items() if k.lower() == "content-type"}
+                self._answer(status, keep, data)
+
+            def _body(self) -> bytes | None:
+                """The request's body, whole (a chunked one too)."""
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    parts = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass  # trailers
+                            return b"".join(parts)
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()  # the chunk's CRLF
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else None
+
+            def _answer(self, status: int, headers: dict[str, str], data: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="basic-auth-proxy", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)

@@ -307,16 +307,19 @@ class DistributedFunction(Generic[P, R]):
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run on every rank and block; the per-rank return values in rank order.
 
-        ``KeyboardInterrupt`` (Ctrl-C, "interrupt kernel") stops every rank and re-raises.
+        ``KeyboardInterrupt`` (Ctrl-C, "interrupt kernel") stops every rank and raises a
+        ``KeyboardInterrupt`` that says so ("stopped 2 ranks of train; nothing left running").
         """
         handle = None
         try:
             handle = self.submit(*args, **kwargs)
             return handle.result()
         except KeyboardInterrupt:
-            if handle is not None:
-                handle.cancel(wait=60.0, reason="interrupted")
-            raise
+            if handle is None:
+                raise
+            was_running = handle.cancel(wait=60.0, reason="interrupted")
+        # outside the handler: the interrupt's traceback through the waits is not shown
+        raise KeyboardInterrupt(_stopped(handle, was_running))
 
     def options(self, **overrides: Unpack[OptionKwargs]) -> DistributedFunction[P, R]:
         """A copy with other settings, e.g. ``train.options(processes=4).distributed()``."""
@@ -373,6 +376,20 @@ def distributed(fn: Any = None, /, **options: Unpack[OptionKwargs]) -> Any:
     if fn is not None:
         return wrap(fn)
     return wrap
+
+
+def _stopped(handle: RunHandle[Any], was_running: bool) -> str:
+    """The one line an interrupted call ends with."""
+    n, name = handle.world_size, handle.fn_name
+    ranks = f"{n} rank{'' if n == 1 else 's'} of {name}"
+    if handle.supervisor.done():
+        if not was_running:
+            return f"{name} had already ended; nothing left running"
+        return f"stopped {ranks}; nothing left running"
+    return (
+        f"stopping {ranks} is taking longer than 60 s (call {handle.run_id}); `gangrun ps` "
+        f"lists it and `gangrun stop {handle.run_id}` stops it"
+    )
 
 
 __all__ = ["distributed", "DistributedFunction", "RunHandle", "Options"]

@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from .exitcodes import signal_name
 
+# Messages that say a peer went away: a rank failing with one is the echo of a peer's death.
+# The root-cause choice ranks such a failure behind every other (`gangrun.lifecycle.rootcause`),
+# the restart policy retries it (`gangrun.lifecycle.policy`), and the live output folds such a
+# traceback into one line (`gangrun.output_fold`). Regular expressions, case-insensitive.
+PEER_ECHO_TEXT = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote worker crash",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "ProcessGroupGloo.*(?:Timed out|closed)",
+    "DistNetworkError",
+    "DistStoreError",
+    "recvValue failed",
+    "Socket Timeout",
+    "Connection refused",
+)
+
 TYPE_CHECKING = False  # not typing's: importing typing is most of `import gangrun`'s time
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -10,6 +10,15 @@ appended to, never rewritten, so what reaches the caller stays within a small fa
 the ranks wrote, whatever the line length (a line cut by another rank's output is redrawn whole
 only when short, else continued after a ``[rank N]+`` prefix). Every byte a rank writes also
 goes, unchanged, to its log file.
+
+Two more things keep the live output readable (the log files keep every byte):
+
+- A rank's traceback that only echoes a peer's death (gloo's "Connection closed by peer"...)
+  is folded into one line marked as a consequence (`gangrun.output_fold`), so the failing
+  rank's own traceback stands out.
+- While more than one call streams to the same place (the same stream object, or the same
+  open file or terminal), each line is prefixed with the call's name (``[train rank 0]``),
+  from the moment a second call starts until the call ends; a call alone keeps ``[rank N]``.
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ import re
 import selectors
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
+
+from .output_fold import HOLD_S, Fold
 
 logger = logging.getLogger("gangrun.output")
 
@@ -51,6 +63,8 @@ class _Stream:
     received: int = 0  # characters this stream sent to the target in all
     redrawn: int = 0  # characters written a second time (redraws of cut lines)
     log_failed: bool = False  # a log write failed (reported once)
+    bol: bool = True  # the text fed so far ends a line (a traceback starts at a line's start)
+    fold: Fold = field(default_factory=Fold)  # a traceback held back (`gangrun.output_fold`)
 
 
 class _Target:
@@ -62,6 +76,25 @@ class _Target:
         self.failed = False  # a write failed (reported once)
 
 
+def _place(stream: IO[str]) -> object:
+    """Where a stream's text ends up: the open file or terminal behind it (stdout and stderr
+    on one terminal are one place), else the stream object itself."""
+    try:
+        st = os.fstat(stream.fileno())
+    except Exception:  # no file descriptor (a notebook cell's stream, a StringIO)
+        return ("object", id(stream))
+    return ("file", st.st_dev, st.st_ino, st.st_rdev)
+
+
+def _short(qualname: str) -> str:
+    """A function's name as a prefix shows it: ``train`` for ``main.<locals>.train``."""
+    return qualname.rsplit("<locals>.", 1)[-1] or "call"
+
+
+_sharing_lock = threading.Lock()
+_streaming: weakref.WeakSet[OutputPump] = weakref.WeakSet()  # started and not yet closed
+
+
 class OutputPump:
     """Forward rank output to the caller and to per-rank log files until every pipe closes."""
 
@@ -71,8 +104,14 @@ class OutputPump:
         stderr: IO[str],
         mode: str = "all",
         on_line: Callable[[int, str], None] | None = None,
+        name: str = "",
+        run_id: str = "",
     ) -> None:
         self._on_line = on_line  # on_line(rank, text): the newest line of each read (a panel)
+        self.name = name  # the call's, for the prefix while another call shares the place
+        self.run_id = run_id  # the call's id: two calls of one function are told apart by it
+        self._named = ""  # the name in the prefixes ("": plain [rank N])
+        self._places = {_place(stdout), _place(stderr)}
         self._targets = {"out": _Target(stdout), "err": _Target(stderr)}
         self._mode = mode
         self._sel = selectors.DefaultSelector()
@@ -91,7 +130,9 @@ class OutputPump:
         forward = self._mode == "all" or (self._mode == "rank0" and rank == 0)
         target = self._targets[kind] if forward else None
         os.set_blocking(fd, False)
-        s = _Stream(rank, fd, target, log, f"[rank {rank}] ")
+        if not self._streams:  # the first pipe, before any rank starts: it streams from now
+            self._share()
+        s = _Stream(rank, fd, target, log, self._prefix(rank))
         with self._lock:
             self._streams[fd] = s
             self._sel.register(fd, selectors.EVENT_READ, s)
@@ -101,6 +142,35 @@ class OutputPump:
         if not self._started:
             self._started = True
             self._thread.start()
+
+    # -- calls streaming to the same place ----------------------------------------------
+    def _prefix(self, rank: int) -> str:
+        return f"[{self._named} rank {rank}] " if self._named else f"[rank {rank}] "
+
+    def _share(self) -> None:
+        """Join the pumps streaming now; name the calls in the prefixes of every pump that
+        shares a place with another (a call's name stays in its prefixes until it ends)."""
+        with _sharing_lock:
+            _streaming.add(self)
+            pumps = list(_streaming)
+            for p in pumps:
+                peers = [q for q in pumps if q is not p and q._places & p._places]
+                if peers and not p._named:
+                    p._set_named(_short(p.name), [_short(q.name) for q in peers])
+
+    def _set_named(self, name: str, others: list[str]) -> None:
+        """Prefix the call's lines with its name; with the start of its id when another call
+        sharing the place runs the same function (``[train 3f2a9c rank 0]``)."""
+        if name in others or name == "call":
+            name = f"{name} {self.run_id[:6] or format(id(self) & 0xFFFFFF, '06x')}"
+        self._named = name
+        with self._lock:
+            for s in self._streams.values():
+                s.prefix = self._prefix(s.rank)
+
+    def _unshare(self) -> None:
+        with _sharing_lock:
+            _streaming.discard(self)
 
     def _poke(self) -> None:
         try:
@@ -117,6 +187,7 @@ class OutputPump:
         if self._started:
             self._thread.join(drain_timeout + 2.0)
         self._cleanup()
+        self._unshare()
 
     def _cleanup(self) -> None:
         with self._lock:
@@ -146,9 +217,13 @@ class OutputPump:
                 if not self._streams and self._stop_at is not None:
                     return
                 pending = [s for s in self._streams.values() if self._waiting(s)]
+                holding = [s for s in self._streams.values() if s.fold.holding]
             timeout: float | None = None
             if pending:
                 timeout = max(0.0, min(s.since for s in pending) + IDLE_FLUSH_S - time.monotonic())
+            if holding:
+                left = max(0.0, min(s.fold.since for s in holding) + HOLD_S - time.monotonic())
+                timeout = left if timeout is None else min(timeout, left)
             if self._stop_at is not None:
                 left = self._stop_at - time.monotonic()
                 if left <= 0:
@@ -167,6 +242,8 @@ class OutputPump:
                     continue
                 self._read(key.data)
             now = time.monotonic()
+            for s in holding:
+                self._release_stale(s, now)
             for s in pending:
                 if now - s.since >= IDLE_FLUSH_S:
                     self._show_partial(s)
@@ -206,6 +283,19 @@ class OutputPump:
     # line: the whole line again when it is short (``head``, at most REDRAW_MAX characters,
     # and within a budget of what this rank wrote), else a ``[rank N]+ `` continuation.
     def _feed(self, s: _Stream, text: str) -> None:
+        if s.target is not None and s.fold.wants(text):
+            text = s.fold.feed(text, s.bol)  # a traceback held, or folded
+        self._show(s, text)
+
+    def _release_stale(self, s: _Stream, now: float) -> None:
+        """A traceback held past its time (or at the stream's end): shown as it came."""
+        if s.fold.stale(now):
+            self._show(s, s.fold.release())
+
+    def _show(self, s: _Stream, text: str) -> None:
+        if not text:
+            return
+        s.bol = text[-1] == "\n"
         tgt = s.target
         if tgt is None:  # not forwarded: only count lines
             self.lines += text.count("\n")
@@ -316,6 +406,8 @@ class OutputPump:
         tail = s.decoder.decode(b"", final=True)
         if tail:
             self._feed(s, tail)
+        if s.fold.holding:  # the stream ended inside a traceback: shown as it came
+            self._release_stale(s, float("inf"))
         tgt = s.target
         if tgt is None:
             return

@@ -19,7 +19,7 @@ from outage_funcs import logs_through_an_outage, quick, waits_for
 import gangrun
 from conftest import assert_no_survivors, run_python
 from gangrun import LaunchError
-from mlflow_server import MlflowServer, free_port
+from mlflow_server import BasicAuthProxy, MlflowServer, free_port
 
 mlflow = pytest.importorskip("mlflow")
 pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
@@ -155,6 +155,60 @@ def test_item31_credentials_in_the_uri_are_used_and_never_shown(live_server, tmp
     logs = [p for p in (tmp_path / "logs").rglob("*") if p.is_file()]
     assert logs
     for log in logs:
+        assert secret not in log.read_text(errors="replace"), log
+    run = mlflow.MlflowClient(tracking_uri=live_server.url).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert {"cred0", "cred1"} <= set(run.data.metrics)
+
+
+AUTH_CALLER = """
+import json, sys, gangrun
+from outage_funcs import logs_and_reads_its_call_record
+
+fn = gangrun.distributed(processes=2, timeout=90, log_dir=sys.argv[1])
+h = fn(logs_and_reads_its_call_record).submit()
+h.result(60)
+print("RESULT " + json.dumps({"mlflow_run_id": h.mlflow_run_id}))
+"""
+
+
+@pytest.mark.parametrize("given", ["in the URI", "in MLflow's variables"])
+def test_item31_a_server_behind_basic_auth_tracks_the_call(live_server, tmp_path, given):
+    """Issue 31 item 3, against a server that requires the credentials (the real server
+    behind a real HTTP proxy that answers 401 without them): the call is tracked, every
+    request (gangrun's probe, the caller's MLflow client, the ranks' metrics) carries them,
+    given in the URI or in ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, and no output, DEBUG
+    narration or rank log shows the password."""
+    assert live_server.alive()
+    secret = "Pr0xy-pa55-never-shown"
+    proxy = BasicAuthProxy(live_server.url, "alice", secret)
+    env: dict[str, str | None] = {
+        "GANGRUN_LOG_LEVEL": "DEBUG",
+        "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))
+        + os.pathsep
+        + os.environ["PYTHONPATH"],
+        "MLFLOW_RUN_ID": None,
+        "MLFLOW_EXPERIMENT_ID": None,
+        "MLFLOW_TRACKING_TOKEN": None,
+    }
+    if given == "in the URI":
+        env["MLFLOW_TRACKING_URI"] = proxy.url.replace("http://", f"http://alice:{secret}@")
+        env["MLFLOW_TRACKING_USERNAME"] = env["MLFLOW_TRACKING_PASSWORD"] = None
+    else:
+        env["MLFLOW_TRACKING_URI"] = proxy.url
+        env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"] = "alice", secret
+    try:
+        proc = run_python(AUTH_CALLER, str(tmp_path / "logs"), env=env, cwd=tmp_path, timeout=180)
+    finally:
+        proxy.stop()
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 0, both[-3000:]
+    assert secret not in both, [ln for ln in both.splitlines() if secret in ln]
+    run_id = json.loads(proc.stdout.split("RESULT ", 1)[1])["mlflow_run_id"]
+    assert run_id, both[-3000:]  # tracked
+    assert proxy.rejected == [], proxy.rejected  # every request authenticated
+    assert proxy.served > 0
+    for log in (p for p in (tmp_path / "logs").rglob("*") if p.is_file()):
         assert secret not in log.read_text(errors="replace"), log
     run = mlflow.MlflowClient(tracking_uri=live_server.url).get_run(run_id)
     assert run.info.status == "FINISHED"

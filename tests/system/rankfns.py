@@ -144,3 +144,60 @@ def escaped_grandchild_then_fail(pid_dir: str) -> None:
         time.sleep(0.5)
         os._exit(5)
     time.sleep(60)
+
+
+def fails_while_peer_all_reduces(pid_dir: str) -> None:
+    """Rank 1 raises; rank 0, blocked in ``all_reduce``, then fails with gloo's echo of it
+    ("Connection closed by peer"). Rank 0 ignores SIGTERM, so the teardown's first signal
+    cannot end it before its traceback is written."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    write_pid(pid_dir)
+    if rank() == 1:
+        time.sleep(0.3)
+        raise ValueError("rank one is broken")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dist.all_reduce(torch.ones(4))
+    time.sleep(60)
+
+
+def with_a_thread_of_its_own(flag: str) -> int:
+    """The user's code runs a thread of its own beside the main one until ``flag`` exists;
+    each rank reports steps meanwhile (so the caller knows both are in their loop)."""
+    import threading
+
+    import gangrun
+
+    def user_helper() -> None:
+        while not os.path.exists(flag):
+            time.sleep(0.02)
+
+    t = threading.Thread(target=user_helper, name="user-helper", daemon=True)
+    t.start()
+    step = 0
+    while not os.path.exists(flag):
+        step += 1
+        gangrun.report_step(step)
+        time.sleep(0.02)
+    t.join(10)
+    return rank()
+
+
+def talk(tag: str, flags: str, other: str) -> int:
+    """Print ``<tag> before``, then wait (at most 60 s) until this call's and the ``other``
+    call's ranks have all started, then print ``<tag> during`` lines."""
+    print(f"{tag} before", flush=True)
+    write_pid(flags, f"{tag}{rank()}")
+    deadline = time.monotonic() + 60
+    names = [f"{t}{r}." for t in (tag, other) for r in range(int(os.environ["WORLD_SIZE"]))]
+    while time.monotonic() < deadline:
+        here = os.listdir(flags)
+        if all(any(h.startswith(n) for h in here) for n in names):
+            break
+        time.sleep(0.02)
+    for i in range(3):
+        print(f"{tag} during {i}", flush=True)
+        time.sleep(0.05)
+    return rank()

@@ -63,6 +63,7 @@ LAYERS: dict[str, int] = {
     "gangrun.serialization": PLATFORM,
     "gangrun.security": PLATFORM,
     "gangrun.output": PLATFORM,
+    "gangrun.output_fold": PLATFORM,  # a peer's death echoed in a traceback: one line
     "gangrun.accelerators": PLATFORM,
     "gangrun.reservation": PLATFORM,
     "gangrun.hostlock": PLATFORM,  # short exclusive sections of one user on one host

@@ -86,7 +86,7 @@ def _supervised(script, *observers: Observer, tracking=None, lines=(), **opts) -
         gangs.append(FakeGang(spec, events, script, len(gangs)))
         return gangs[-1]
 
-    def pump_factory(stdout, stderr, mode, on_line=None):
+    def pump_factory(stdout, stderr, mode, on_line=None, *named):
         for rank, text in lines:
             if on_line is not None:
                 on_line(rank, text)

@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..errors import PEER_ECHO_TEXT
 from .state import State
 
 if TYPE_CHECKING:
@@ -68,22 +69,10 @@ TRANSIENT_TYPES = frozenset(
         "timeout",  # socket.timeout
     }
 )
-# Messages that say a peer went away. `gangrun.lifecycle.rootcause` ranks a failure with one
-# behind every other failure (it is the echo of a peer's death); like every text below, retried.
-PEER_ECHO_TEXT = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "remote worker crash",
-    "remote process exited",
-    "NCCL communicator was aborted",
-    "ProcessGroupGloo.*(?:Timed out|closed)",
-    "DistNetworkError",
-    "DistStoreError",
-    "recvValue failed",
-    "Socket Timeout",
-    "Connection refused",
-)
+# Messages that say a peer went away (`gangrun.errors.PEER_ECHO_TEXT`, a platform module:
+# the live output folds such tracebacks too). `gangrun.lifecycle.rootcause` ranks a failure
+# with one behind every other failure (it is the echo of a peer's death); like every text
+# below, retried.
 # Messages that say the network, a collective or the hardware failed: worth retrying.
 TRANSIENT_TEXT = (
     *PEER_ECHO_TEXT,

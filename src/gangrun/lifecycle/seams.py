@@ -35,11 +35,18 @@ def default_planner(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPla
 
 
 def make_pump(
-    stdout: IO[str], stderr: IO[str], mode: str, on_line: Callable[[int, str], None] | None = None
+    stdout: IO[str],
+    stderr: IO[str],
+    mode: str,
+    on_line: Callable[[int, str], None] | None = None,
+    name: str = "",
+    run_id: str = "",
 ) -> OutputPump:
+    """The call's output pump; ``name`` and ``run_id`` (the call's) go in the prefixes while
+    another call streams to the same place."""
     from ..output import OutputPump as Pump
 
-    return Pump(stdout, stderr, mode, on_line)
+    return Pump(stdout, stderr, mode, on_line, name, run_id)
 
 
 def start_tracking(info: TrackingInfo, stdout: IO[str]) -> Tracker | None:

@@ -1,11 +1,11 @@
 """The supervisor of one call: acquires, launches, watches, restarts, collects, tears down.
 
 It owns what it acquired (GPU reservation, run directory, the MLflow run, the gang and its
-output pump) and releases all of it on ONE path, `_end`, for a partial start, an
-interrupt, a failure and a normal end alike. A monitor thread waits on the
-call's event queue, which carries the gang's rank exits and the lifecycle's own events
-(cancel); the deadline and the hang guard are the queue wait's timeout (no polling on the
-exit path: a failure is seen as soon as its waiter thread reports it).
+output pump) and releases all of it on ONE path, `_end`, for a partial start, an interrupt,
+a failure and a normal end alike. A monitor thread waits on the call's event queue, which
+carries the gang's rank exits and the lifecycle's own events (cancel); the deadline and the
+hang guard are the queue wait's timeout (no polling on the exit path: a failure is seen as
+soon as its waiter thread reports it).
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class Supervisor:
         observers: Sequence[Observer] = (),
     ) -> None:
         plan, placement = planner(fn, options)
-        out = sys.stdout if stdout is None else stdout
-        err = sys.stderr if stderr is None else stderr
+        out, err = stdout or sys.stdout, stderr or sys.stderr
         self.call = CallRecord(
             new_run_id(), function_name(fn), plan, options, out, err, fn, args, kwargs, placement
         )
@@ -320,7 +319,8 @@ class Supervisor:
 
             ship_env(spec, opts, call.placement, tracked)
         lines = self._observers.on_rank_line if self._observers.line_listeners else None
-        self._pump = self._pump_factory(call.stdout, call.stderr, opts.output, lines)
+        named = (call.fn_name, call.run_id)  # prefixed while another call shares the output
+        self._pump = self._pump_factory(call.stdout, call.stderr, opts.output, lines, *named)
         self.gang = self._gang_factory(spec, self._pump, events)
         self._gang_open = True
         self.gang.start()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any, Protocol
 
 from .. import contract, platform
@@ -67,16 +66,11 @@ def become_rank(r: RankStart, fds: list[int], server_alive_r: int) -> None:
     from . import boot
 
     boot.prepare_rank()
-    # The server's death must take this rank down too (like the caller's).
-    os.set_inheritable(server_alive_r, False)
+    # The server's death must take this rank down too (like the caller's): the same thread
+    # watches both pipes (one gangrun thread in the rank's stacks, not two).
     from . import worker
 
-    threading.Thread(
-        target=worker.watch_liveness,
-        args=(server_alive_r,),
-        name="gangrun-forkserver-liveness",
-        daemon=True,
-    ).start()
+    worker.also_watch(server_alive_r)
     worker.main()  # ends with os._exit
 
 

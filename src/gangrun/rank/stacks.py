@@ -8,7 +8,9 @@ is one open file and one signal handler per rank; nothing runs until a dump is a
 User code that installs its own ``SIGUSR1`` handler replaces it (then no stack dump).
 
 Caller side: `request` signals the given ranks and returns what each wrote *for this
-request* (the file only grows: each dump is read from the size it had before the signal).
+request* (the file only grows: each dump is read from the size it had before the signal),
+the user's threads first: gangrun's own (the liveness watchdog, the MLflow and SIGTERM
+helpers: every frame in gangrun or ``threading``) come after them (`user_threads_first`).
 Used by ``handle.stacks()``, ``gangrun stacks RUN`` and the hang guard.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import time
 from typing import IO
@@ -55,6 +58,36 @@ def _size(p: str) -> int:
         return 0
 
 
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_FILE = re.compile(r'^\s*File "([^"]*)"', re.MULTILINE)
+_THREAD_HEAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ ", re.MULTILINE)
+
+
+def _gangruns(block: str) -> bool:
+    """Every frame of this thread is gangrun's (or ``threading``'s, which started it)."""
+    files = _FILE.findall(block)
+    return bool(files) and all(
+        f.startswith(_OWN_DIR)
+        or f"site-packages{os.sep}gangrun{os.sep}" in f  # a rank on another node's install
+        or f.endswith(f"{os.sep}threading.py")
+        for f in files
+    )
+
+
+def user_threads_first(dump: str) -> str:
+    """A ``faulthandler`` dump with gangrun's own threads moved after the user's."""
+    starts = [m.start() for m in _THREAD_HEAD.finditer(dump)]
+    if len(starts) < 2:
+        return dump
+    head = dump[: starts[0]]
+    blocks = [dump[a:b].strip("\n") for a, b in zip(starts, [*starts[1:], len(dump)], strict=True)]
+    ours = [b for b in blocks if _gangruns(b)]
+    theirs = [b for b in blocks if not _gangruns(b)]
+    if not ours or not theirs:
+        return dump
+    return head + "\n\n".join(theirs + ours)
+
+
 def request(run_dir: str, pids: dict[int, int], wait: float = 2.0) -> dict[int, str]:
     """Signal every rank in ``pids`` (rank -> pid) whose handler is installed and collect the
     dumps: rank -> its stacks (``""``: the rank did not answer within ``wait`` seconds).
@@ -81,10 +114,10 @@ def request(run_dir: str, pids: dict[int, int], wait: float = 2.0) -> dict[int, 
         try:
             with open(path(run_dir, r), "rb") as f:
                 f.seek(before[r])
-                out[r] = f.read().decode("utf-8", "replace").strip()
+                out[r] = user_threads_first(f.read().decode("utf-8", "replace").strip())
         except OSError:
             out[r] = ""
     return out
 
 
-__all__ = ["install", "ready", "request", "path"]
+__all__ = ["install", "ready", "request", "path", "user_threads_first"]

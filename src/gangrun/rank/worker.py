@@ -58,18 +58,32 @@ def _kill_own_tree() -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def watch_liveness(fd: int) -> None:
+def watch_liveness(*fds: int) -> None:
+    """One thread for every liveness pipe (the caller's; a forked rank's fork server's): the
+    end of any of them (its process died) kills this rank's tree."""
+    import select
+
     try:
+        p = select.poll()
+        for fd in fds:
+            p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while True:
-            data = os.read(fd, 64)
-            if not data:
-                break
-    except OSError:  # a broken pipe is a closed caller as well
+            for fd, _ in p.poll():
+                if not os.read(fd, 64):
+                    raise EOFError
+    except (OSError, EOFError):  # a broken pipe is a closed caller as well
         pass
     _kill_own_tree()
 
 
 _liveness_fd = -1
+_also_watched: list[int] = []  # a forked rank: the fork server's liveness pipe (`also_watch`)
+
+
+def also_watch(fd: int) -> None:
+    """Before `main`: the liveness thread also watches ``fd`` (the fork server's pipe)."""
+    os.set_inheritable(fd, False)
+    _also_watched.append(fd)
 
 
 def caller_gone() -> bool:
@@ -88,17 +102,18 @@ def caller_gone() -> bool:
 
 def start_liveness_watchdog() -> None:
     global _liveness_fd
+    fds = list(_also_watched)
     fd_s = os.environ.get(contract.LIVENESS_FD)
-    if not fd_s:
-        return
-    fd = int(fd_s)
-    try:
-        os.set_inheritable(fd, False)
-    except OSError:
-        return
-    _liveness_fd = fd
-    t = threading.Thread(target=watch_liveness, args=(fd,), name="gangrun-liveness", daemon=True)
-    t.start()
+    if fd_s:
+        try:
+            os.set_inheritable(int(fd_s), False)
+            _liveness_fd = int(fd_s)
+            fds.insert(0, _liveness_fd)
+        except OSError:
+            pass
+    if fds:
+        t = threading.Thread(target=watch_liveness, args=fds, name="gangrun-liveness", daemon=True)
+        t.start()
 
 
 def _format_tb(exc: BaseException) -> str:
