@@ -315,6 +315,9 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
         planned = self._plan(start, nw, warn=False)
+        if planned is not None and planned.get("base") is not None:  # the rest, computed once
+            rank = self.rank_world()[0]  # here: workers forked after this inherit it
+            elastic.file_runs(planned, rank, len(self.files), self.shuffle, self.seed, self.uneven)
         self._live = sharding.progress_record(
             self._epoch, world, nw, len(self.files), self.seed, planned
         )

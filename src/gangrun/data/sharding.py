@@ -15,6 +15,7 @@ partitioning can be checked (and reasoned about) without either.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -41,10 +42,15 @@ def rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[
 
 def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
     """Indexes ``0..n-1`` in the order of ``epoch`` (a seeded permutation when ``shuffle``)."""
+    return list(_order(n, shuffle, seed, epoch))
+
+
+@functools.lru_cache(maxsize=4)
+def _order(n: int, shuffle: bool, seed: int, epoch: int) -> tuple[int, ...]:
     order = list(range(n))
     if shuffle:
         random.Random(f"gangrun:{seed}:{epoch}").shuffle(order)
-    return order
+    return tuple(order)
 
 
 def rank_share(

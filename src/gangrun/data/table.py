@@ -467,6 +467,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
         planned = self._plan(start, nw, warn=False)
+        if planned is not None and planned.get("base") is not None:  # the rest, computed once
+            self._split().runs(planned, self.rank_world()[0])  # (workers forked after inherit it)
         if planned is not None:
             self._live = json.loads(json.dumps(planned))
         else:
