@@ -1,9 +1,13 @@
 """The notebook-to-rank channel of a `Gang`: where ranks connect back.
 
 On one node an AF_UNIX socket in a private (0700) directory; on a Ray cluster a TCP socket
-on this machine's address as the cluster sees it (``ray.util.get_node_ip_address()``), so
-ranks on any node reach it. Either way a rank proves it knows the gang's random token before
-the caller reads anything else from it (`protocol.Hello`).
+on this machine's address as the cluster sees it (``ray.util.get_node_ip_address()``, or
+``GANGRUN_GANG_HOST``), so ranks on any node reach it. Either way a rank proves it knows the
+gang's random token before the caller reads anything else from it (`protocol.Hello`), and the
+caller answers (`protocol.WELCOME`). A rank that cannot reach the caller says so within
+seconds (`protocol.CallerUnreachable`), and `Gang(...)` raises `unreachable`'s error: the
+channel is not routed through Ray, so a caller the nodes cannot reach (a laptop behind NAT
+using Ray Client) is told to run where they can (issue 31, item 9).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DistributedError, DistributedTimeoutError
+from .. import contract
+from ..errors import DistributedError, DistributedTimeoutError, LaunchError
 from ..rank import interactive_protocol as protocol
 from .outcome import wrapped
 
@@ -40,12 +45,42 @@ def release(socks: dict[int, socket.socket], path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class Listener:
-    """Where the ranks of one start of a gang connect; ``address`` is what they are given."""
+def unreachable(err: DistributedError, address: str) -> LaunchError | None:
+    """The error for ranks that could not reach the caller at ``address`` (``None``: the
+    ranks failed for another reason)."""
+    bad = {
+        r: f
+        for r, f in err.failures.items()
+        if (f.exc_type or "").endswith(protocol.CallerUnreachable.__name__)
+    }
+    if not bad:
+        return None
+    first = bad[min(bad)]
+    where = f" on {first.node}" if first.node else ""
+    ranks = ", ".join(map(str, sorted(bad)))
+    return LaunchError(
+        f"the gang's ranks cannot reach this caller at {address} (rank{'s' if len(bad) > 1 else ''}"
+        f" {ranks}; rank {first.rank}{where}: {first.message}). A gang's ranks connect back "
+        "to the caller over TCP, so the caller must be reachable from every node; a machine "
+        "behind NAT or a firewall (a laptop connected with address='ray://head:10001') is not. "
+        "Run the notebook where the nodes reach it (on the head node, or a Jupyter server in "
+        "the cluster's network); or, if the nodes reach this machine under another address (a "
+        f"VPN, another interface), set {contract.GANG_HOST} to it. .distributed() calls need "
+        "no connection back and work from here. The gang's ranks were stopped.",
+        rank=first.rank,
+        exc_type=first.exc_type,
+        run_id=err.run_id,
+        failures=err.failures,
+    )
 
-    def __init__(self, tcp_host: str | None) -> None:
+
+class Listener:
+    """Where the ranks of one start of a gang connect; ``address`` is what they are given.
+    ``tcp``: ``(bind, advertised)`` hosts on a Ray cluster; ``None``: AF_UNIX."""
+
+    def __init__(self, tcp: tuple[str, str] | None) -> None:
         self.dir = ""
-        if tcp_host is None:
+        if tcp is None:
             self.dir = tempfile.mkdtemp(prefix="gangrun-gang-")
             os.chmod(self.dir, 0o700)
             path = os.path.join(self.dir, "s")
@@ -53,9 +88,11 @@ class Listener:
             self.sock.bind(path)
             self.address = path
         else:
-            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self.sock.bind((tcp_host, 0))
-            self.address = f"tcp://{tcp_host}:{self.sock.getsockname()[1]}"
+            bind, advertised = tcp
+            family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+            self.sock = socket.socket(family, socket.SOCK_STREAM)
+            self.sock.bind((bind, 0))
+            self.address = f"tcp://{advertised}:{self.sock.getsockname()[1]}"
         self.sock.listen(64)
         self.sock.settimeout(POLL_S)
 
@@ -77,6 +114,9 @@ class Listener:
                     try:
                         handle.result(timeout=0)
                     except DistributedError as err:
+                        cant = unreachable(err, self.address)
+                        if cant is not None:
+                            raise cant from err
                         raise wrapped(f"the gang's ranks ended while starting: {err}", err) from err
                     raise DistributedError("the gang's ranks ended while starting.")
                 if time.monotonic() > deadline:
@@ -102,8 +142,13 @@ class Listener:
                     log.warning("gang: refused a connection that did not present the gang's token")
                     conn.close()
                     continue
+                try:
+                    conn.sendall(protocol.WELCOME)
+                except OSError:  # the rank gave up waiting: it reports that itself
+                    conn.close()
+                    continue
                 conn.settimeout(None)
-                if conn.family == socket.AF_INET:
+                if conn.family in (socket.AF_INET, socket.AF_INET6):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 socks[rank] = conn
                 pids[rank] = hello.pid
@@ -113,4 +158,4 @@ class Listener:
         return socks, pids
 
 
-__all__ = ["Listener", "release"]
+__all__ = ["Listener", "release", "unreachable"]
