@@ -97,3 +97,39 @@ def test_gang_option_errors():
         gangrun.Gang(processes=2, setup=3)
     with pytest.raises(gangrun.LaunchError, match="timeout"):
         gangrun.Gang(processes=2, timeout=-1)
+
+
+def test_a_rank_that_reaches_no_caller_says_so_within_its_deadline():
+    """Issue 31 item 9: something that accepts the connection but is not the gang's caller
+    (a NAT gateway or proxy accepts any connection) held a rank until the caller's
+    start_timeout; the rank now waits for the caller's WELCOME a bounded time."""
+    import time
+
+    hello = protocol.Hello(b"t" * 32, 0, 1)
+    with socket.socket() as mute:  # accepts (the kernel does) and never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(1)
+        t0 = time.monotonic()
+        with pytest.raises(protocol.CallerUnreachable, match="no gangrun caller answered"):
+            protocol.handshake(f"tcp://127.0.0.1:{mute.getsockname()[1]}", hello, wait=0.5)
+        assert time.monotonic() - t0 < 5
+        port = mute.getsockname()[1]
+    with pytest.raises(protocol.CallerUnreachable, match="could not connect"):
+        protocol.handshake(f"tcp://127.0.0.1:{port}", hello, wait=0.5)  # nothing listens
+    # the caller's answer lets it through
+    with socket.socket() as caller:
+        caller.bind(("127.0.0.1", 0))
+        caller.listen(1)
+        import threading
+
+        def answer():
+            conn, _ = caller.accept()
+            protocol.recv_exact(conn, protocol.Hello.WIRE.size)
+            conn.sendall(protocol.WELCOME)
+            conn.close()
+
+        t = threading.Thread(target=answer, daemon=True)
+        t.start()
+        sock = protocol.handshake(f"tcp://127.0.0.1:{caller.getsockname()[1]}", hello, wait=5)
+        sock.close()
+        t.join(5)
