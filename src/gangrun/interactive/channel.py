@@ -15,9 +15,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import queue
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +59,11 @@ def unreachable(err: DistributedError, address: str) -> LaunchError | None:
         return None
     first = bad[min(bad)]
     where = f" on {first.node}" if first.node else ""
+    why = (first.message.splitlines() or [""])[0]  # not the note on the node's files
     ranks = ", ".join(map(str, sorted(bad)))
     return LaunchError(
         f"the gang's ranks cannot reach this caller at {address} (rank{'s' if len(bad) > 1 else ''}"
-        f" {ranks}; rank {first.rank}{where}: {first.message}). A gang's ranks connect back "
+        f" {ranks}; rank {first.rank}{where}: {why}). A gang's ranks connect back "
         "to the caller over TCP, so the caller must be reachable from every node; a machine "
         "behind NAT or a firewall (a laptop connected with address='ray://head:10001') is not. "
         "Run the notebook where the nodes reach it (on the head node, or a Jupyter server in "
@@ -76,9 +79,14 @@ def unreachable(err: DistributedError, address: str) -> LaunchError | None:
 
 class Listener:
     """Where the ranks of one start of a gang connect; ``address`` is what they are given.
-    ``tcp``: ``(bind, advertised)`` hosts on a Ray cluster; ``None``: AF_UNIX."""
+    ``tcp``: ``(bind, advertised)`` hosts on a Ray cluster; ``None``: AF_UNIX.
 
-    def __init__(self, tcp: tuple[str, str] | None) -> None:
+    From the moment it is made a thread answers every rank that presents ``token`` (its
+    `protocol.WELCOME`), however long the launch takes before `accept` runs: a rank's wait
+    for that answer is bounded (`protocol.handshake`), the launch (placement, a slow
+    tracking store) is not."""
+
+    def __init__(self, tcp: tuple[str, str] | None, token: str) -> None:
         self.dir = ""
         if tcp is None:
             self.dir = tempfile.mkdtemp(prefix="gangrun-gang-")
@@ -95,12 +103,52 @@ class Listener:
             self.address = f"tcp://{advertised}:{self.sock.getsockname()[1]}"
         self.sock.listen(64)
         self.sock.settimeout(POLL_S)
+        self._token = token.encode("ascii")
+        self._welcomed: queue.Queue[tuple[protocol.Hello, socket.socket]] = queue.Queue()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="gangrun-gang-accept", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        """Accept, check the token, answer, hand the connection to `accept`."""
+        while not self._closing.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            conn.settimeout(10.0)
+            try:
+                head = protocol.recv_exact(conn, protocol.Hello.WIRE.size)
+            except OSError:
+                head = None
+            hello = None if head is None else protocol.Hello.unpack(head)
+            if hello is None or not hmac.compare_digest(hello.token, self._token):
+                if hello is not None:
+                    log.warning("gang: refused a connection that did not present the gang's token")
+                conn.close()
+                continue
+            try:
+                conn.sendall(protocol.WELCOME)
+            except OSError:  # the rank gave up waiting: it reports that itself
+                conn.close()
+                continue
+            self._welcomed.put((hello, conn))
 
     def close(self) -> None:
+        self._closing.set()
         self.sock.close()
+        self._thread.join(15.0)
+        while True:  # connections welcomed but not taken (a failed start)
+            try:
+                _, conn = self._welcomed.get_nowait()
+            except queue.Empty:
+                break
+            conn.close()
 
     def accept(
-        self, handle: RunHandle[Any], token: str, start_timeout: float
+        self, handle: RunHandle[Any], start_timeout: float
     ) -> tuple[dict[int, socket.socket], dict[int, int]]:
         """Every rank's authenticated connection and pid (raises if the ranks end first or
         do not all connect within ``start_timeout``)."""
@@ -125,33 +173,18 @@ class Listener:
                         f"start_timeout={start_timeout:g}s; the gang was stopped."
                     )
                 try:
-                    conn, _ = self.sock.accept()
-                except TimeoutError:
+                    hello, conn = self._welcomed.get(timeout=POLL_S)
+                except queue.Empty:
                     continue
-                conn.settimeout(10.0)
-                try:
-                    head = protocol.recv_exact(conn, protocol.Hello.WIRE.size)
-                except OSError:
-                    head = None
-                if head is None:
-                    conn.close()
-                    continue
-                hello = protocol.Hello.unpack(head)
-                rank = hello.rank
-                if not hmac.compare_digest(hello.token, token.encode("ascii")) or not 0 <= rank < n:
-                    log.warning("gang: refused a connection that did not present the gang's token")
-                    conn.close()
-                    continue
-                try:
-                    conn.sendall(protocol.WELCOME)
-                except OSError:  # the rank gave up waiting: it reports that itself
+                if not 0 <= hello.rank < n:
+                    log.warning("gang: refused a connection for rank %d of %d", hello.rank, n)
                     conn.close()
                     continue
                 conn.settimeout(None)
                 if conn.family in (socket.AF_INET, socket.AF_INET6):
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                socks[rank] = conn
-                pids[rank] = hello.pid
+                socks[hello.rank] = conn
+                pids[hello.rank] = hello.pid
         except BaseException:
             release(socks, "")
             raise

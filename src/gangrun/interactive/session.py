@@ -148,12 +148,12 @@ class Gang(Exchanges):
 
     def _start(self) -> None:
         ray = self.options.backend == "ray"
-        listener = Listener(_tcp_host(self.options.address) if ray else None)
-        self._dir = listener.dir
         token = secrets.token_hex(16)
+        listener = Listener(_tcp_host(self.options.address) if ray else None, token)
+        self._dir = listener.dir
         try:
             self._handle = self._fn.submit(listener.address, token)
-            self._socks, self._pids = listener.accept(self._handle, token, self.start_timeout)
+            self._socks, self._pids = listener.accept(self._handle, self.start_timeout)
         except BaseException:
             release({}, self._dir)
             if self._handle is not None:
