@@ -331,11 +331,12 @@ class RankActor:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 log.warning("rank %d (pid %d) did not die", self.rank, p.pid)
         platform.sweep(self.run_id, self._since_ticks)
-        for name in ("_live_w", "_janitor_w"):
-            fd = getattr(self, name)
-            if fd != -1:
-                os.close(fd)
-                setattr(self, name, -1)
+        with self._cv:  # the caller's cleanup and the caller watch's: each fd closed once
+            for name in ("_live_w", "_janitor_w"):
+                fd = getattr(self, name)
+                if fd != -1:
+                    setattr(self, name, -1)
+                    os.close(fd)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
