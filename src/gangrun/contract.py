@@ -55,6 +55,13 @@ Process settings of the caller (not per call; ``gangrun info`` shows them, `SETT
 ``GANGRUN_TRACKING_TIMEOUT``        seconds one tracking step of the caller may take
                                     (create/resume the run, finish it; default 60):
                                     past it the call goes on, untracked or unfinished
+``GANGRUN_RAY_CALLER_DEADLINE``     Ray backend: seconds without the caller's heartbeat
+                                    after which a rank's actor ends the rank and itself
+                                    (default 5): the caller died, however it was connected
+``GANGRUN_GANG_HOST``               Ray backend: the address a `Gang`'s ranks connect back
+                                    to (default ``auto``: this machine's address as Ray
+                                    sees it); set it when the nodes reach this machine
+                                    under another address (NAT, a forwarded port's host)
 ==================================  ======================================================
 
 Internal to the fork server: ``GANGRUN_ENVIRON_PAD`` (32 KiB of room in the server's environ
@@ -91,6 +98,8 @@ SLOW_AFTER = "GANGRUN_SLOW_AFTER"
 SILENT_AFTER = "GANGRUN_SILENT_AFTER"
 LOG_LEVEL = "GANGRUN_LOG_LEVEL"
 TRACKING_TIMEOUT = "GANGRUN_TRACKING_TIMEOUT"
+RAY_CALLER_DEADLINE = "GANGRUN_RAY_CALLER_DEADLINE"
+GANG_HOST = "GANGRUN_GANG_HOST"
 ENVIRON_PAD = "GANGRUN_ENVIRON_PAD"
 
 # Process settings (the second table): variable -> (built-in default, what it sets).
@@ -100,6 +109,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     SILENT_AFTER: ("120", "seconds without any progress before a rank is silent"),
     LOG_LEVEL: ("WARNING", "gangrun's own diagnostics on stderr (DEBUG narrates calls)"),
     TRACKING_TIMEOUT: ("60", "seconds one tracking step of the caller may take"),
+    RAY_CALLER_DEADLINE: ("5", "seconds without the caller's heartbeat before Ray ranks end"),
+    GANG_HOST: ("auto", "the address a Ray gang's ranks connect back to (auto: Ray's)"),
 }
 
 

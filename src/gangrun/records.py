@@ -133,6 +133,9 @@ class RankFailure:
     traceback: str | None  # the rank's formatted traceback when it raised
     time: float = 0.0  # when it failed (time.time())
     frame: str | None = None  # where in user code it raised: "file:line in function"
+    # a rank on another node than the caller's (Ray): where, as errors name it
+    # ("node 10.0.0.2 (Ray node id 1a2b...)"); None on the caller's node
+    node: str | None = None
 
     @property
     def is_clean_exit(self) -> bool:

@@ -67,6 +67,13 @@ def _level(text: str) -> int:
     return level
 
 
+def _host(text: str) -> str:
+    text = text.strip()
+    if not text or any(c.isspace() for c in text) or "/" in text:
+        raise ValueError("not a host")
+    return text
+
+
 # variable -> (parser: raises ValueError on a value it cannot use, what a good value is)
 _PARSERS: dict[str, tuple[Callable[[str], object], str]] = {
     contract.SLOW_AFTER: (seconds, "not a duration (0 or more, e.g. 60, 90s or 2m)"),
@@ -77,6 +84,11 @@ _PARSERS: dict[str, tuple[Callable[[str], object], str]] = {
     ),
     contract.LOG_LEVEL: (_level, "not a log level (DEBUG, INFO, WARNING, ERROR or a number)"),
     contract.CACHE_DIR: (str, "not a directory"),
+    contract.RAY_CALLER_DEADLINE: (
+        positive_seconds,
+        "not a number of seconds over 0 (e.g. 5 or 10s)",
+    ),
+    contract.GANG_HOST: (_host, "not a host name or address (e.g. 10.0.0.5)"),
 }
 
 

@@ -35,6 +35,8 @@ class TwoRaylets:
         self.hidden = hidden
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.client_port = free_port()  # Ray Client's server on the head
+        self.client_address = f"ray://127.0.0.1:{self.client_port}"
         # A private HOME: Ray reads (and other clusters on this machine may write)
         # ~/.ray/auth_token; a token of someone else's cluster must not reach this one.
         home = os.path.join(temp, "home")
@@ -64,7 +66,7 @@ class TwoRaylets:
                 f"--port={self.port}",
                 f"--temp-dir={self.temp}",
                 "--include-dashboard=false",
-                f"--ray-client-server-port={free_port()}",
+                f"--ray-client-server-port={self.client_port}",
                 '--resources={"head_node": 1}',
             ]
         )

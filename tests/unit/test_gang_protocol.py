@@ -97,3 +97,73 @@ def test_gang_option_errors():
         gangrun.Gang(processes=2, setup=3)
     with pytest.raises(gangrun.LaunchError, match="timeout"):
         gangrun.Gang(processes=2, timeout=-1)
+
+
+def test_a_rank_that_reaches_no_caller_says_so_within_its_deadline():
+    """Issue 31 item 9: something that accepts the connection but is not the gang's caller
+    (a NAT gateway or proxy accepts any connection) held a rank until the caller's
+    start_timeout; the rank now waits for the caller's WELCOME a bounded time."""
+    import time
+
+    hello = protocol.Hello(b"t" * 32, 0, 1)
+    with socket.socket() as mute:  # accepts (the kernel does) and never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(1)
+        t0 = time.monotonic()
+        with pytest.raises(protocol.CallerUnreachable, match="no gangrun caller answered"):
+            protocol.handshake(f"tcp://127.0.0.1:{mute.getsockname()[1]}", hello, wait=0.5)
+        assert time.monotonic() - t0 < 5
+        port = mute.getsockname()[1]
+    with pytest.raises(protocol.CallerUnreachable, match="could not connect"):
+        protocol.handshake(f"tcp://127.0.0.1:{port}", hello, wait=0.5)  # nothing listens
+    # the caller's answer lets it through
+    with socket.socket() as caller:
+        caller.bind(("127.0.0.1", 0))
+        caller.listen(1)
+        import threading
+
+        def answer():
+            conn, _ = caller.accept()
+            protocol.recv_exact(conn, protocol.Hello.WIRE.size)
+            conn.sendall(protocol.WELCOME)
+            conn.close()
+
+        t = threading.Thread(target=answer, daemon=True)
+        t.start()
+        sock = protocol.handshake(f"tcp://127.0.0.1:{caller.getsockname()[1]}", hello, wait=5)
+        sock.close()
+        t.join(5)
+
+
+def test_ranks_are_answered_before_the_caller_takes_their_connections():
+    """The caller answers a rank's Hello from the moment its listener exists, however long
+    the launch takes before it collects the connections: a rank's bounded wait for the
+    answer cannot fail a slow start (issue 31 item 9)."""
+    import time
+
+    from gangrun.interactive.channel import Listener, release
+
+    class Handle:  # what accept() reads of a running call
+        world_size = 2
+
+        def done(self) -> bool:
+            return False
+
+    token = "ab" * 16
+    listener = Listener(None, token)
+    try:
+        ranks = [
+            protocol.handshake(listener.address, protocol.Hello(token.encode(), r, 100 + r), 2.0)
+            for r in (1, 0)
+        ]
+        time.sleep(0.5)  # the launch still running: both ranks already answered
+        with pytest.raises(protocol.CallerUnreachable, match="not this gang's caller"):
+            protocol.handshake(listener.address, protocol.Hello(b"x" * 32, 0, 9), 2.0)
+        socks, pids = listener.accept(Handle(), start_timeout=5)  # type: ignore[arg-type]
+        assert pids == {0: 100, 1: 101} and set(socks) == {0, 1}
+        release(socks, "")
+        for s in ranks:
+            s.close()
+    finally:
+        listener.close()
+        release({}, listener.dir)

@@ -54,3 +54,32 @@ def test_a_child_reaped_elsewhere_falls_back_to_popen():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(5)
     assert _exit_status(p.pid) is None
+
+
+WATCHED = """
+import sys, time
+from gangrun.launch.ray.actor import RankActor
+actor = RankActor("rid", 0, caller_deadline=1.0)
+for _ in range(int(sys.argv[1])):  # the caller beats every 0.2 s...
+    actor.beat()
+    time.sleep(0.2)
+print("stopped", flush=True)  # ...then dies
+time.sleep(30)
+"""
+
+
+def test_an_actor_whose_caller_stops_beating_ends_within_its_deadline():
+    """Issue 31 item 8: the actor's own watch ends it (and its rank) once the caller's
+    heartbeat stops, however the caller was connected; while it beats, nothing happens."""
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", WATCHED, "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "stopped"  # alive through 1.6 s of beats
+        t0 = time.monotonic()
+        assert p.wait(15) == 1
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        p.kill()
+        p.wait(5)

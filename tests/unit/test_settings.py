@@ -270,6 +270,10 @@ def test_process_settings_defaults_match_their_modules():
     assert float(s[contract.SILENT_AFTER][0]) == watch.SILENT_AFTER_S == watch.silent_after()
     assert float(s[contract.TRACKING_TIMEOUT][0]) == bounded.DEFAULT_TIMEOUT == bounded.timeout_s()
     assert default_cache_dir().endswith(s[contract.CACHE_DIR][0].lstrip("~"))
+    from gangrun.launch.ray import spawner
+
+    deadline = float(s[contract.RAY_CALLER_DEADLINE][0])
+    assert deadline == spawner.CALLER_DEADLINE_S == spawner.caller_deadline()
 
 
 # ---------------------------------------------------------------- fork-server back-off

@@ -54,6 +54,9 @@ class Exchanges:
     def _unlock(self) -> None:
         raise NotImplementedError
 
+    def _nodes_elsewhere(self) -> dict[int, str]:
+        raise NotImplementedError
+
     def _exchange(self, msg: protocol.Command, what: str) -> PerRank:
         __tracebackhide__ = True  # IPython: show the ranks' error, not this frame
         if not self._try_lock():
@@ -267,9 +270,8 @@ class Exchanges:
         if stopped == "hang":
             raise DistributedHangError(f"{self._hang_error} The gang is still usable.")
         if failed:
-            raise failure(
-                failed, values, what, None if self._handle is None else self._handle.run_id
-            )
+            run_id = None if self._handle is None else self._handle.run_id
+            raise failure(failed, values, what, run_id, self._nodes_elsewhere())
         return values
 
     _hang_error: DistributedError | None = None

@@ -40,28 +40,36 @@ def wrapped(message: str, err: DistributedError) -> GangError:
 
 
 def failure(
-    failed: dict[int, ErrorRecord], values: PerRank, what: str, run_id: str | None
+    failed: dict[int, ErrorRecord],
+    values: PerRank,
+    what: str,
+    run_id: str | None,
+    nodes: dict[int, str] | None = None,
 ) -> GangError:
     """The error for an execution that raised on some ranks (the gang stays usable); each
-    rank's record becomes its `RankFailure` as a call's does (`rootcause.rank_failure`)."""
+    rank's record becomes its `RankFailure` as a call's does (`rootcause.rank_failure`).
+    ``nodes``: the ranks on another node than the caller's, and that node (named in the
+    message and in each such rank's failure)."""
+    nodes = nodes or {}
     ranks = sorted(failed)
     failures: dict[int, RankFailure] = {}
     for r in ranks:
-        f = rank_failure(r, None, failed[r])
+        f = rank_failure(r, None, failed[r], node=nodes.get(r))
         assert f is not None  # a record is a failure
         failures[r] = f
     first = failures[ranks[0]]
     names = ", ".join(map(str, ranks))
+    where = f" on {first.node}" if first.node and len(ranks) == 1 else ""
     lines = [
         f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {names} (of "
-        f"{len(values)}): {first.exc_type}: {first.message}",
+        f"{len(values)}){where}: {first.exc_type}: {first.message}",
         "The gang is still usable; ranks that did not fail keep their state.",
     ]
-    by_tb: dict[str, list[int]] = {}
+    by_tb: dict[tuple[str, str | None], list[int]] = {}
     for r in ranks:
-        by_tb.setdefault(failures[r].traceback or "", []).append(r)
-    for tb, rs in by_tb.items():
-        label = ", ".join(map(str, rs))
+        by_tb.setdefault((failures[r].traceback or "", failures[r].node), []).append(r)
+    for (tb, node), rs in by_tb.items():
+        label = ", ".join(map(str, rs)) + (f" on {node}" if node else "")
         lines.append(f"\n[rank{'s' if len(rs) > 1 else ''} {label}] {tb.rstrip()}")
     err = GangError(
         "\n".join(lines),

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import serialization
+from .. import contract, serialization, settings
 from ..api import RunHandle, distributed
 from ..errors import DistributedError, GangError, LaunchError
 from ..lifecycle import calls
@@ -66,12 +66,19 @@ def _seconds(name: str, value: float | str) -> float:
         raise LaunchError(f"Gang({name}={value!r}): {exc}.") from None
 
 
-def _tcp_host(address: str | None) -> str:
-    """This machine's address as the Ray cluster reaches it."""
+def _tcp_host(address: str | None) -> tuple[str, str]:
+    """Where the channel listens, and the address the ranks are given: this machine's
+    address as Ray sees it, or ``GANGRUN_GANG_HOST`` (then on every interface: the address
+    the nodes use may be one this machine does not own, e.g. behind a VPN's NAT)."""
     from ..launch.ray.placement import connect
 
+    host = settings.read(contract.GANG_HOST)
+    if host.source != "built-in" and host.value.strip() != "auto":
+        advertised = host.value.strip()
+        return ("::" if ":" in advertised else "0.0.0.0"), advertised
     ray = connect(address)
-    return str(ray.util.get_node_ip_address())
+    ip = str(ray.util.get_node_ip_address())
+    return ip, ip
 
 
 class Gang(Exchanges):
@@ -154,12 +161,12 @@ class Gang(Exchanges):
 
     def _start(self) -> None:
         ray = self.options.backend == "ray"
-        listener = Listener(_tcp_host(self.options.address) if ray else None)
-        self._dir = listener.dir
         token = secrets.token_hex(16)
+        listener = Listener(_tcp_host(self.options.address) if ray else None, token)
+        self._dir = listener.dir
         try:
             self._handle = self._fn.submit(listener.address, token)
-            self._socks, self._pids = listener.accept(self._handle, token, self.start_timeout)
+            self._socks, self._pids = listener.accept(self._handle, self.start_timeout)
         except BaseException:
             release({}, self._dir)
             if self._handle is not None:
@@ -309,6 +316,12 @@ class Gang(Exchanges):
             self._start_unlocked()
             _live.add(self)
         return True
+
+    def _nodes_elsewhere(self) -> dict[int, str]:
+        """The ranks on another node than this caller's, and their node (Ray; else ``{}``)."""
+        attempt = None if self._handle is None else self._handle.supervisor.gang
+        where = getattr(attempt, "nodes_elsewhere", None)
+        return dict(where()) if where is not None else {}
 
     def _try_lock(self) -> bool:
         return self._lock.acquire(blocking=False)

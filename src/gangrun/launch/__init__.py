@@ -77,6 +77,7 @@ class RankExit:
     exitcode: int
     time: float  # time.time() when the exit was observed
     lost: LostRank | None = None  # set when the launch machinery itself lost the rank
+    node: str | None = None  # a rank on another node (Ray): that node, as errors name it
 
 
 class RankIO:
@@ -98,6 +99,8 @@ class RankProcess(Protocol):
     pid: int
     # Optional attribute ``lost: LostRank | None``, read after wait(): set when the launcher
     # itself lost the rank (a dead fork server, a lost Ray actor), see RankExit.lost.
+    # Optional attribute ``node: str | None``: the node of a rank on another node than the
+    # caller's (Ray), as errors name it, see RankExit.node.
 
     def wait(self) -> int:
         """Block until the rank ended; its exit code (``-N``: killed by signal ``N``). Called

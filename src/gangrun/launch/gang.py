@@ -159,6 +159,7 @@ class ProcessGang:
 
     def _wait(self, rank: int, proc: RankProcess) -> None:
         lost: LostRank | None
+        node: str | None = getattr(proc, "node", None)
         try:
             code = proc.wait()
             lost = getattr(proc, "lost", None)
@@ -170,7 +171,7 @@ class ProcessGang:
                 hint="This is a bug in gangrun: please report it with the log above.",
             )
         self._done[rank].set()
-        self.events.put(RankExit(rank, code, time.time(), lost))
+        self.events.put(RankExit(rank, code, time.time(), lost, node))
 
     # -- state and teardown -----------------------------------------------------------
     def alive(self) -> list[int]:
@@ -182,6 +183,12 @@ class ProcessGang:
         proc = self._procs.get(rank)
         if proc is not None:
             proc.signal(sig)
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        """The ranks on another node than the caller's, and their node as errors name it
+        (Ray; ``{}`` on one node)."""
+        where = getattr(self.spawner, "nodes_elsewhere", None)
+        return dict(where()) if where is not None else {}
 
     def _signal_all(self, sig: int) -> None:
         for proc in self._procs.values():  # finished ranks too: their leftover descendants

@@ -37,7 +37,11 @@ _PEER_ECHO = any_of(PEER_ECHO_TEXT)  # one list with the restart policy's transi
 
 
 def rank_failure(
-    rank: int, exit: RankExit | None, record: ErrorRecord | None, has_result: bool = False
+    rank: int,
+    exit: RankExit | None,
+    record: ErrorRecord | None,
+    has_result: bool = False,
+    node: str | None = None,
 ) -> RankFailure | None:
     """Where a rank's exit becomes an error: its `RankFailure`, or ``None`` when it returned.
 
@@ -47,8 +51,11 @@ def rank_failure(
     returning gives a failure whose ``is_clean_exit`` is true: a failure only if a peer then
     fails); a rank the launcher lost (``exit.lost``) failed as the launcher tells; exit 0 with
     a result returned; any other exit failed (killed by a signal, an exit code, or exit 0
-    before returning)."""
+    before returning). ``node`` (default: ``exit.node``) is where a rank on another node
+    than the caller's ran: every failure of such a rank names it."""
     code = exit.exitcode if exit is not None else None
+    if node is None and exit is not None:
+        node = exit.node
     if record is not None:
         if record.exitcode is not None:
             exitcode: int | None = record.exitcode
@@ -63,17 +70,19 @@ def rank_failure(
             traceback=record.traceback or None,
             time=record.time,
             frame=record.frame,
+            node=node,
         )
     if exit is None:
         return None
     sig = signal_name(code)
     if exit.lost is not None:
         lost = exit.lost
-        return RankFailure(rank, code, sig, lost.exc_type, lost.why, lost.detail or None, exit.time)
+        detail = lost.detail or None
+        return RankFailure(rank, code, sig, lost.exc_type, lost.why, detail, exit.time, node=node)
     if code == 0 and has_result:
         return None
     what = f"killed by {sig}" if sig else _early(code) if code == 0 else f"exited with code {code}"
-    return RankFailure(rank, code, sig, None, what, None, exit.time)
+    return RankFailure(rank, code, sig, None, what, None, exit.time, node=node)
 
 
 @dataclass(frozen=True)
@@ -143,17 +152,18 @@ def build_error(
     rank, rec, code, f = cause.rank, cause.record, cause.exit.exitcode, cause.failure
     log_tail = tail(log_file)
     others = sorted(r for r in range(world_size) if r != rank)
+    who = f"Rank {rank} (pid {pid}){f' on {f.node}' if f.node else ''}"
     if f.is_clean_exit:
         head = (
-            f"Rank {rank} (pid {pid}) exited with code 0 before returning (sys.exit while its "
+            f"{who} exited with code 0 before returning (sys.exit while its "
             "peers were still running)."
         )
         body = log_tail
     elif f.exc_type is not None and f.exc_type != "SystemExit":
-        head = f"Rank {rank} (pid {pid}) failed: {f.exc_type}: {f.message}"
+        head = f"{who} failed: {f.exc_type}: {f.message}"
         body = f.traceback or ""
     elif f.exc_type is not None:
-        head = f"Rank {rank} (pid {pid}) exited with code {f.exitcode} (sys.exit)."
+        head = f"{who} exited with code {f.exitcode} (sys.exit)."
         body = log_tail
     elif f.signal is not None:
         hint = ""
@@ -161,13 +171,13 @@ def build_error(
             hint = " (often the out-of-memory killer: check `dmesg`, lower the batch size)"
         elif f.signal == "SIGSEGV":
             hint = " (a crash in native code: the log below holds the Python stack)"
-        head = f"Rank {rank} (pid {pid}) was killed by {f.signal}{hint}."
+        head = f"{who} was killed by {f.signal}{hint}."
         body = log_tail
     elif code == 0:
-        head = f"Rank {rank} (pid {pid}) exited with code 0 before returning a result."
+        head = f"{who} exited with code 0 before returning a result."
         body = log_tail
     else:
-        head = f"Rank {rank} (pid {pid}) exited with code {code} without a Python exception."
+        head = f"{who} exited with code {code} without a Python exception."
         body = log_tail
     also = sorted(r for r in failures if r != rank)
     more = f"Rank(s) {also} failed as well (err.failures). " if also else ""

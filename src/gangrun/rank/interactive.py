@@ -130,14 +130,14 @@ def gang(address: str, token: str) -> None:
     """Serve a `gangrun.Gang` on this rank until the caller closes it."""
     global _state
     rank = int(os.environ.get("RANK", "0"))
-    sock = protocol.connect(address)
     _state = {"__name__": "__main__", "__builtins__": builtins}
     sys.stdout = _Counting(sys.stdout)
     sys.stderr = _Counting(sys.stderr)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # hang reports
-    sock.sendall(protocol.Hello(token.encode("ascii"), rank, os.getpid()).pack())
+    # the caller knows of this rank (and may interrupt it) once it answered the Hello
+    sock = protocol.handshake(address, protocol.Hello(token.encode("ascii"), rank, os.getpid()))
     while True:
         msg = protocol.recv(sock)
         if msg is None or isinstance(msg, protocol.Close):

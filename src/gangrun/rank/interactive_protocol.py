@@ -3,7 +3,9 @@
 One message is an 8-byte big-endian length followed by a pickle (protocol 5) of one frozen
 record. The socket is an AF_UNIX path on one node, ``tcp://host:port`` on a Ray cluster
 (`connect`). A rank first sends its `Hello` (fixed size, checked before anything is
-unpickled). Caller to rank: `Exec` (a cell), `Run` (cloudpickled ``(fn, args, kwargs)``),
+unpickled) and waits, a bounded time, for the caller's `WELCOME` (`handshake`): a rank that
+cannot connect, or reaches something that is not its caller (a NAT box or proxy accepts any
+connection), raises `CallerUnreachable` at once instead of waiting. Caller to rank: `Exec` (a cell), `Run` (cloudpickled ``(fn, args, kwargs)``),
 `Close`. Rank to caller: one `Ok` (the value) or `Err` (the rank's `ErrorRecord`) per
 command; ``out_bytes`` is what the rank wrote through ``sys.stdout``/``sys.stderr`` so far,
 so the caller knows when its output has reached the cell.
@@ -23,6 +25,14 @@ from ..records import ErrorRecord
 HEADER = struct.Struct("!Q")
 PROTOCOL = 5
 MAX_MESSAGE = 1 << 40
+WELCOME = b"GRok"  # the caller's answer to a Hello with the gang's token
+CONNECT_S = 10.0  # a rank's wait for the connection to its caller
+WELCOME_S = 20.0  # and then for the caller's WELCOME
+
+
+class CallerUnreachable(ConnectionError):
+    """A rank could not reach its gang's caller: no connection, or no gangrun caller
+    answered its `Hello` (the caller turns it into an error saying what to do)."""
 
 
 @dataclass(frozen=True)
@@ -111,12 +121,42 @@ def connect(address: str) -> socket.socket:
     """The rank's end: ``tcp://host:port`` or an AF_UNIX path."""
     if address.startswith("tcp://"):
         host, _, port = address[len("tcp://") :].rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock = socket.create_connection((host, int(port)), timeout=CONNECT_S)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
+    return sock
+
+
+def handshake(address: str, hello: Hello, wait: float = WELCOME_S) -> socket.socket:
+    """The rank's end of the channel, connected and welcomed by its caller, or
+    `CallerUnreachable` (within ``CONNECT_S`` + ``wait``)."""
+    try:
+        sock = connect(address)
+    except OSError as exc:
+        raise CallerUnreachable(
+            f"could not connect to the gang's caller at {address}: {exc}"
+        ) from None
+    try:
+        sock.settimeout(wait)
+        sock.sendall(hello.pack())
+        answer = recv_exact(sock, len(WELCOME))
+    except OSError as exc:  # a timeout too
+        sock.close()
+        raise CallerUnreachable(
+            f"connected to {address}, but no gangrun caller answered within {wait:g}s "
+            f"({type(exc).__name__}: {exc}): something else accepted the connection (a NAT "
+            "gateway, a proxy, another service on that address)"
+        ) from None
+    if answer != WELCOME:
+        sock.close()
+        raise CallerUnreachable(
+            f"connected to {address}, but what answered is not this gang's caller (it closed "
+            "the connection, or refused the gang's token)"
+        )
+    sock.settimeout(None)
     return sock
 
 

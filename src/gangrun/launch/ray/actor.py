@@ -4,6 +4,12 @@ The rank is a fresh interpreter (``gangrun.rank.boot``) in its own process group
 holding a liveness pipe whose write end lives in the actor: when the actor dies (``ray.kill``,
 the caller's driver exits, the node is lost) the rank kills its own tree.
 
+The caller beats (`RankActor.beat`, about once a second, through its Ray connection); an actor
+that hears nothing for ``caller_deadline`` seconds ends its rank and itself (issue 31, item 8).
+A caller's death reaches the actors through its driver only when the caller *is* the driver:
+under Ray Client (``ray://``) the driver is a process on the head that Ray keeps ~30 s after
+its client vanished (the client's reconnect grace), and the actors with it.
+
 Its private directory on the node (payload, context, result/error) never outlives it
 (issue 12, item 17): a tiny janitor process, detached from the actor, removes the directory
 as soon as the actor is gone, however it went (Ray kills an exiting worker's children, so the
@@ -84,7 +90,7 @@ def reap_node_leftovers(tmp: str | None = None) -> list[str]:
 class RankActor:
     """Runs one rank on its node."""
 
-    def __init__(self, run_id: str, rank: int) -> None:
+    def __init__(self, run_id: str, rank: int, caller_deadline: float = 0.0) -> None:
         self.run_id = run_id
         self.rank = rank
         self.proc: subprocess.Popen | None = None
@@ -97,6 +103,41 @@ class RankActor:
         self._exited_at = 0.0
         self._live_w = -1
         self._janitor_w = -1
+        self._beat = time.monotonic()
+        if caller_deadline > 0:
+            threading.Thread(
+                target=self._watch_caller, args=(caller_deadline,), daemon=True
+            ).start()
+
+    def beat(self) -> None:
+        """The caller is alive (its heartbeat)."""
+        self._beat = time.monotonic()
+
+    def _watch_caller(self, deadline: float) -> None:
+        """End the rank and this actor once the caller has not beaten for ``deadline``
+        seconds. A pause of this process itself (a stopped or starved node) restarts the
+        count: beats queued meanwhile are not late."""
+        step = min(0.5, deadline / 4)
+        last = time.monotonic()
+        while True:
+            time.sleep(step)
+            now = time.monotonic()
+            if now - last > step + max(1.0, deadline / 2):  # we did not run: not the caller
+                self._beat = max(self._beat, now)
+            last = now
+            if now - self._beat > deadline:
+                break
+        print(
+            f"gangrun: rank {self.rank}'s actor heard nothing from its caller for "
+            f"{deadline:g}s ({contract.RAY_CALLER_DEADLINE}): the caller is gone; ending the "
+            "rank and this actor.",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            self.cleanup()
+        finally:
+            os._exit(1)
 
     def node_info(self) -> NodeInfo:
         import ray
@@ -290,11 +331,12 @@ class RankActor:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 log.warning("rank %d (pid %d) did not die", self.rank, p.pid)
         platform.sweep(self.run_id, self._since_ticks)
-        for name in ("_live_w", "_janitor_w"):
-            fd = getattr(self, name)
-            if fd != -1:
-                os.close(fd)
-                setattr(self, name, -1)
+        with self._cv:  # the caller's cleanup and the caller watch's: each fd closed once
+            for name in ("_live_w", "_janitor_w"):
+                fd = getattr(self, name)
+                if fd != -1:
+                    setattr(self, name, -1)
+                    os.close(fd)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ... import serialization
+from ... import contract, serialization, settings
 from ...errors import LaunchError
 from ...records import ErrorRecord, RankContext
 from ...rundir import RunDir
@@ -28,6 +29,24 @@ from .records import ActorContext, NodeInfo, Polled, RankOutputs, Started
 
 log = logging.getLogger("gangrun.launch.ray")
 POLL_S = 2.0  # an idle rank's poll returns this often; output and exits return at once
+CALLER_DEADLINE_S = 5.0  # GANGRUN_RAY_CALLER_DEADLINE: an actor's wait for the caller's beat
+
+
+def caller_deadline() -> float:
+    """Seconds without the caller's heartbeat after which its actors end (`RankActor`)."""
+    return settings.seconds_in_force(contract.RAY_CALLER_DEADLINE, CALLER_DEADLINE_S)
+
+
+def caller_node_id(ray: Any) -> str | None:
+    """The Ray node this caller runs on; ``None`` for a Ray Client caller (``ray://``),
+    whose driver runs on the head on its behalf: the caller is on no node of the cluster."""
+    try:
+        if ray.util.client.ray.is_connected():
+            return None
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception as exc:  # no node to compare with: every rank counts as elsewhere
+        log.debug("the caller's Ray node: %s", exc)
+        return None
 
 
 def lost_actor(rank: int, nodes: dict[int, NodeInfo], exc: BaseException | None) -> LostRank:
@@ -57,6 +76,11 @@ class RayProcess:
         self.pid = pid
         self.out_w, self.err_w = io.out_w, io.err_w  # ours until the rank ended
         self.lost: LostRank | None = None  # set when the actor (or its node) was lost
+
+    @property
+    def node(self) -> str | None:
+        """The rank's node when it is another than the caller's (`RankExit.node`)."""
+        return self.spawner.nodes_elsewhere().get(self.rank)
 
     def signal(self, sig: int) -> None:
         if sig in (signal.SIGTERM, signal.SIGKILL):  # the gang is being stopped
@@ -118,11 +142,10 @@ class RayProcess:
     def _name_node(self, code: int) -> None:
         """A rank on another node that ended badly: say where, in its output (and so in
         the log tail the caller's error shows, for deaths without a Python exception)."""
-        st = self.spawner.started.get(self.rank)
-        if st is None or st.local:
+        node = self.node
+        if node is None:
             return
-        info = self.spawner.nodes.get(self.rank)
-        note = f"gangrun: rank {self.rank} (exit {code}) ran on {diagnose.node_label(info)}\n"
+        note = f"gangrun: rank {self.rank} (exit {code}) ran on {node}\n"
         _write_all(self.err_w, note.encode())
 
 
@@ -141,6 +164,18 @@ class RaySpawner:
         self.manifest: ship.Manifest | None = None
         self.started: dict[int, Started] = {}
         self.caller_cwd = ""
+        self.caller_node: str | None = None  # the caller's Ray node id (None: Ray Client)
+        self._beating = threading.Event()  # set: the heartbeat stops
+
+    def _heartbeat(self, every: float) -> None:
+        """Tell every actor that the caller lives, through the Ray connection (so also
+        under Ray Client, with no other path between the nodes and the caller)."""
+        while not self._beating.wait(every):
+            for a in list(self.actors.values()):
+                try:
+                    a.beat.remote()
+                except Exception as exc:  # the actor (or the connection) is gone
+                    log.debug("heartbeat to an actor: %s", exc)
 
     def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         try:
@@ -201,8 +236,10 @@ class RaySpawner:
             caller_files=ship.files_identity(self.caller_cwd),
             use_actor_cwd="working_dir" in runtime_env,
         )
+        self.caller_node = caller_node_id(ray)
         self.pg = reserve(ray, pl, n)
         actor_cls = ray.remote(RankActor)
+        deadline = caller_deadline()
         for r in range(n):
             opts: dict[str, Any] = {
                 "num_cpus": pl.bundle.get("CPU", 0),
@@ -216,7 +253,13 @@ class RaySpawner:
             }
             if runtime_env:
                 opts["runtime_env"] = runtime_env
-            self.actors[r] = actor_cls.options(**opts).remote(spec.run_id, r)
+            self.actors[r] = actor_cls.options(**opts).remote(spec.run_id, r, deadline)
+        threading.Thread(
+            target=self._heartbeat,
+            args=(min(1.0, deadline / 5),),
+            name="gangrun-ray-heartbeat",
+            daemon=True,
+        ).start()
         wait = pl.placement_timeout
         infos = ray.get([self.actors[r].node_info.remote() for r in range(n)], timeout=wait)
         self.nodes = dict(enumerate(infos))
@@ -233,6 +276,17 @@ class RaySpawner:
         return [
             RayProcess(self, r.rank, st.pid, io) for (r, io), st in zip(ranks, started, strict=True)
         ]
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        """The ranks on another node than the caller's, with their node as errors name it.
+        Another node: not the caller's Ray node (every node, for a Ray Client caller), or a
+        node that does not see the caller's files."""
+        out: dict[int, str] = {}
+        for r, info in self.nodes.items():
+            st = self.started.get(r)
+            if info.node_id != self.caller_node or (st is not None and not st.local):
+                out[r] = diagnose.node_label(info)
+        return out
 
     def explain(self, rank: int, path: str) -> None:
         """Rewrite a remote rank's error record to name its node and the fix (`diagnose`)."""
@@ -276,6 +330,7 @@ class RaySpawner:
             except Exception as exc:  # already dead
                 log.debug("ray.kill: %s", exc)
         self.actors = {}
+        self._beating.set()
         if self.pg is not None:
             try:
                 from ray.util.placement_group import remove_placement_group
