@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from table_ranks import _count, _dist
+from table_ranks import _dist
 
 
 def _make(kind: str, source: str, rank: int | None, world: int | None) -> Any:
@@ -24,10 +24,17 @@ def _loader(kind: str, ds: Any, workers: int) -> Any:
     return ds.loader(batch_size=64, num_workers=workers, persistent_workers=False)
 
 
-def _samples(kind: str, loader: Any) -> int:
-    if kind == "table":
-        return _count(loader)
-    return sum(len(b) for b in loader)
+def _samples(kind: str, loader: Any) -> tuple[int, float]:
+    """Samples of the pass, and the seconds to its first batch (the pass's setup: workers
+    started, and for a rest, the rest computed)."""
+    t = time.perf_counter()
+    first = 0.0
+    n = 0
+    for b in loader:
+        if not first:
+            first = time.perf_counter() - t
+        n += b.num_rows if hasattr(b, "num_rows") else len(b["id"]) if kind == "table" else len(b)
+    return n, first
 
 
 def rest_of_epoch(kind: str, source: str, workers: int, saved_world: int, cut: float) -> dict:
@@ -54,8 +61,9 @@ def rest_of_epoch(kind: str, source: str, workers: int, saved_world: int, cut: f
             loader.load_state_dict(states)
         dist.barrier()
         t = time.perf_counter()
-        n = _samples(kind, loader)
+        n, first = _samples(kind, loader)
         out[arm] = time.perf_counter() - t
+        out[arm + "_first"] = first
         out[arm + "_samples"] = n
         del loader
     dist.barrier()

@@ -216,8 +216,10 @@ class RowSplit:
         parts = []
         for j, lo, n, _ in plan.blocks(0, wrows, self.block):
             rng = np.random.default_rng(plan.block_seed(self.seed, epoch, wpos, j))
-            parts.append((wpos + lo + rng.permutation(n)) % self.rows)
-        return np.concatenate(parts).astype(np.int64)
+            perm = rng.permutation(n)
+            perm += wpos + lo
+            parts.append(perm % self.rows if wpos + lo + n > self.rows else perm)
+        return np.concatenate(parts)
 
     def runs(self, rec: Record, rank: int) -> list[Any]:
         """Each worker's positions in the pass ``rec`` describes on ``rank``."""
@@ -265,10 +267,10 @@ def _rest_rows(split_key: tuple[Any, ...], base_key: str) -> Any:
             left.append(pos[c:])
     rest = np.concatenate(left) if left else np.zeros(0, dtype=np.int64)
     seen = np.zeros(max(split.rows, 1), dtype=bool)
-    if taken:
+    if taken:  # a position a pad repeated may have been consumed by its other copy
         seen[np.concatenate(taken)] = True
     rest = rest[~seen[rest]]
-    if len(rest) and np.bincount(rest, minlength=split.rows).max() > 1:  # the old world's pad
+    if len(rest) and np.bincount(rest, minlength=split.rows).max() > 1:  # repeats left
         _, first = np.unique(rest, return_index=True)
         rest = rest[np.sort(first)]
     rest.setflags(write=False)
