@@ -3,9 +3,14 @@
 #                 (installs only requirements-demo.txt: torch's CPU pin and MLflow)
 #   make test   - lint, type-check and the whole test suite (which also builds the docs with
 #                 warnings as errors and installs the wheel into a fresh venv); prints the
-#                 slowest tests, and fails when tests/unit exceeds its time budget
+#                 slowest tests and the time per tier, and fails when tests/unit exceeds its
+#                 time budget
+#   make test-smoke - one test per main path (a call, a failure, a resume, a notebook cell, a Ray
+#                 call...), about a minute; the list is tests/tiers.py SMOKE
 #   make test-unit - the unit tier alone (no gangs, a few fresh interpreters): its durations and budget
 #                 (tests/conftest.py UNIT_BUDGET_S) are printed at the end
+#   make test-fast - every test that needs no Ray, Jupyter kernel, browser, packaging or soak
+#                 (what each module needs: tests/tiers.py)
 #   make docs   - the documentation (MkDocs + mkdocstrings) into ./site, warnings as errors
 #   make dist   - wheel and sdist into ./dist
 #   make soak   - the fault-injection soak (1000 runs, a fresh seed)
@@ -20,7 +25,7 @@ export MLFLOW_DISABLE_TELEMETRY ?= true
 export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
 
-.PHONY: demo test test-unit test-fast soak soak-resume lint typecheck bench venv clean docs dist
+.PHONY: demo test test-smoke test-unit test-fast soak soak-resume lint typecheck bench venv clean docs dist
 
 venv: $(STAMP)
 
@@ -49,19 +54,22 @@ test: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q --durations=15
 
+test-smoke: $(STAMP)
+	$(PY) -m pytest -q -m smoke --durations=15
+
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests/unit
+	$(PY) -m pytest -q -m "not (ray or kernel or browser or packaging or soak)" --durations=15
 
 soak: $(STAMP)
 	GANGRUN_SOAK_RUNS=$${GANGRUN_SOAK_RUNS:-1000} GANGRUN_SOAK_SEED=$${GANGRUN_SOAK_SEED:-$$(od -An -N3 -tu4 /dev/urandom | tr -d " ")} \
-		$(PY) -m pytest -q -s -m soak tests/soak
+		$(PY) -m pytest -q -s -m soak tests/soak/test_soak.py
 
 soak-resume: $(STAMP)
 	GANGRUN_RESUME_RUNS=$${GANGRUN_RESUME_RUNS:-300} GANGRUN_RESUME_SEED=$${GANGRUN_RESUME_SEED:-$$(od -An -N3 -tu4 /dev/urandom | tr -d " ")} \
-		$(PY) -m pytest -q -s -m soak tests/soak/test_resume_exactness.py
+		$(PY) -m pytest -q -s tests/soak/test_resume_exactness.py::test_resume_search
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples bench

@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 import pytest
 
+import tiers
 from gangrun.defaults import env_var
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,9 +104,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # Here, not at import: ranks that import this module again keep their caller's setting.
     os.environ[MLFLOW_VAR] = "0"
     restore_sigint()
-    config.addinivalue_line(
-        "markers", "mlflow: the test tracks with MLflow (GANGRUN_MLFLOW is unset for it)"
-    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -372,6 +370,64 @@ def _is_unit(nodeid: str) -> bool:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _is_unit(report.nodeid):
         _unit_seconds[report.nodeid] = _unit_seconds.get(report.nodeid, 0.0) + report.duration
+    tier = _tier_of(report)
+    _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
+    if report.when == "call":
+        _tier_tests[tier] = _tier_tests.get(tier, 0) + 1
+
+
+# ------------------------------------------------------------------------------- the tiers
+# What each module needs and the smoke tests: tests/tiers.py. Here they become markers, and
+# a module that ``-m`` rules out is not imported. The session ends with the time per tier.
+_tier_seconds: dict[str, float] = {}
+_tier_tests: dict[str, int] = {}
+
+
+def _module_of(path: str | os.PathLike[str]) -> str | None:
+    """A test module's path relative to tests/ (``system/test_core.py``)."""
+    try:
+        return Path(path).resolve().relative_to(tiers.TESTS).as_posix()
+    except ValueError:
+        return None
+
+
+def _tier_of(report: pytest.TestReport) -> str:
+    needed = [n for n in tiers.FAST_LEAVES_OUT if n in report.keywords]
+    if needed:
+        return "+".join(needed)
+    return "unit" if _is_unit(report.nodeid) else "fast"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    expr = config.getoption("markexpr", "")
+    if not expr or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    module = _module_of(collection_path)
+    if module is None or tiers.may_select(expr, module):
+        return None
+    return True  # nothing in it can be selected: not even imported
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    found: set[str] = set()
+    modules: set[str] = set()
+    for item in items:
+        module = _module_of(item.path)
+        if module is None:
+            continue
+        test = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
+        for need in sorted(tiers.needs(module, test)):
+            item.add_marker(need)
+        if tiers.is_smoke(module, test):
+            item.add_marker("smoke")
+            found.add(f"{module}::{test.split('[', 1)[0]}")
+        modules.add(module)
+    stale = [s for s in tiers.SMOKE if tiers.module_of(s) in modules and s not in found]
+    if stale and not any("::" in a for a in config.args):  # whole modules collected
+        raise pytest.UsageError(
+            f"tests/tiers.py SMOKE names tests that its modules do not have: {stale}; "
+            "rename them there (or take them out)"
+        )
 
 
 def _unit_total() -> float:
@@ -409,6 +465,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             "--log-dir (or TMPDIR) under tmp_path, a dataset cache_dir= under tmp_path.",
             red=True,
         )
+    if _tier_seconds:
+        parts = [
+            f"{tier} {secs:.1f} s ({_tier_tests.get(tier, 0)} tests)"
+            for tier, secs in sorted(_tier_seconds.items(), key=lambda kv: -kv[1])
+        ]
+        terminalreporter.write_sep("-", "time by tier (tests/tiers.py): " + ", ".join(parts))
     if not _unit_seconds:
         return
     budget = config.getoption("--unit-budget")

@@ -11,7 +11,6 @@ Importing gangrun is cheap: torch, mlflow and ray are imported only where used.
 from __future__ import annotations
 
 from .errors import (
-    DistributedCancelledError,
     DistributedError,
     DistributedHangError,
     DistributedPreemptedError,
@@ -30,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
     from .defaults import reset_defaults, set_defaults
+    from .errors import DistributedCancelledError
     from .interactive.magic import load_ipython_extension
     from .interactive.session import Gang
     from .options import ForkServerOptions, RayOptions
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .records import RankFailure
 
 _LAZY = {
+    "DistributedCancelledError": "errors",  # made on first use (gangrun.errors.__getattr__)
     "distributed": "api",
     "DistributedFunction": "api",
     "RunHandle": "api",

@@ -8,9 +8,9 @@ import functools
 import logging
 import os
 import shutil
+import threading
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import _base as _futures
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 from . import defaults as _defaults
@@ -39,6 +39,38 @@ def _release_run(ref: Callable[[], Supervisor | None], run_dir: str, owner: int)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+class _Callbacks:
+    """The handle's done callbacks until the call's end runs them (once, then closed: a
+    callback added later runs at once, in the adding thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: list[Callable[[Any], object]] = []
+        self._closed = False
+
+    def add(self, fn: Callable[[Any], object]) -> bool:
+        """Keep ``fn`` for the end; False once the end has taken them (run it now)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._fns.append(fn)
+            return True
+
+    def close(self) -> list[Callable[[Any], object]]:
+        """The callbacks to run now; any added later runs at once."""
+        with self._lock:
+            self._closed = True
+            fns, self._fns = self._fns, []
+            return fns
+
+
+def _call_back(fn: Callable[[Any], object], handle: RunHandle[Any]) -> None:
+    try:
+        fn(handle)
+    except Exception:
+        log.exception("a done callback of run %s failed", handle.run_id)
+
+
 class _Completion:
     """The handle's ``concurrent.futures`` half, run by the call's done event
     (`gangrun.lifecycle.done`). It holds the handle only weakly, and the event drops it once
@@ -47,7 +79,7 @@ class _Completion:
 
     def __init__(self, handle: RunHandle[Any]) -> None:
         self._ref = weakref.ref(handle)
-        self._callbacks = handle._done_callbacks  # the list, not the handle
+        self._callbacks = handle._callbacks  # the callbacks, not the handle
 
     def settle(self) -> None:
         handle = self._ref()
@@ -55,11 +87,13 @@ class _Completion:
             handle._settle()
 
     def notify(self) -> None:
-        if not self._callbacks:
+        fns = self._callbacks.close()
+        if not fns:
             return  # no callback: not even a moment's strong reference to the handle
         handle = self._ref()
         if handle is not None:
-            handle._run_callbacks()
+            for fn in fns:
+                _call_back(fn, handle)
 
 
 class RunHandle(concurrent.futures.Future[list[R]]):
@@ -69,14 +103,18 @@ class RunHandle(concurrent.futures.Future[list[R]]):
     ``running()``, ``cancelled()``, ``exception()``, ``add_done_callback()``, and
     ``concurrent.futures.wait`` / ``as_completed`` work on handles. ``result()`` raises
     the call's ``DistributedError`` (a cancelled call: ``DistributedCancelledError``, which
-    ``exception()`` returns); ``cancel()`` stops every rank.
-    """
+    ``exception()`` returns, and which is also a ``concurrent.futures.CancelledError``);
+    ``cancel()`` stops every rank.
 
-    _done_callbacks: list[Callable[[concurrent.futures.Future[list[R]]], object]]  # Future's
+    The call completes the future through ``Future``'s public methods only (the executor's
+    protocol), so no Python release can change it under gangrun: the future stays pending
+    while the call runs (``running()`` says whether the call runs), and the call's end sets
+    its result, its error, or cancels it.
+    """
 
     def __init__(self, run: Supervisor) -> None:
         super().__init__()
-        self._state = _futures.RUNNING  # a submitted call runs at once
+        self._callbacks = _Callbacks()
         self._run = run
         # The run directory (logs) lives as long as the handle, unless log_dir= keeps them.
         # A handle dropped while its call still runs must not pull the files from under it:
@@ -142,51 +180,54 @@ class RunHandle(concurrent.futures.Future[list[R]]):
         if not self._run.wait(timeout):
             raise TimeoutError(f"run {self.run_id} is still running after {timeout}s")
 
+    def running(self) -> bool:
+        """True while the call runs (a submitted call runs at once)."""
+        return not self.done()
+
     def cancel(
-        self, checkpoint: bool = False, wait: float = 30.0, *, reason: str = "cancelled"
+        self, checkpoint: bool = False, wait: bool | float = False, *, reason: str = "cancelled"
     ) -> bool:
-        """Stop every rank (and their descendants), waiting up to ``wait`` seconds for the
-        call to end. True if the call was still running. ``reason`` is what the
-        `DistributedCancelledError` says the call was (``"cancelled"``, ``"interrupted"``).
+        """Stop every rank (and their descendants); True if the call was still running.
+
+        It returns at once, as ``Future.cancel()`` does, while the call tears its ranks down:
+        ``result()`` (or ``wait=True``) waits for that, and ``cancelled()`` and ``done()`` turn
+        True when the call has ended cancelled. ``wait`` (seconds, or ``True``: until the
+        call has ended) waits here. ``reason`` is what the `DistributedCancelledError` says
+        the call was (``"cancelled"``, ``"interrupted"``).
 
         ``checkpoint=True`` (a call with ``checkpoint_dir``): the ranks first finish their
         step and save a checkpoint, within ``grace_period``; ``result()`` then raises
         [`DistributedPreemptedError`][gangrun.DistributedPreemptedError] with the line that
-        resumes the call. ``cancelled()`` is True once the call has ended cancelled."""
-        return self._run.cancel(reason, wait=wait, checkpoint=checkpoint)
+        resumes the call."""
+        timeout = None if wait is True else float(wait)
+        return self._run.cancel(reason, wait=timeout, checkpoint=checkpoint)
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[list[R]]], object]) -> None:
+        """``fn(handle)`` once the call has ended, in the thread that ended it (at once, here,
+        if it has already ended). A callback that raises is logged."""
+        if not self._callbacks.add(fn):
+            _call_back(fn, self)
 
     # ------------------------------------------------ concurrent.futures, completed by the call
     def _settle(self) -> None:
-        """The call has ended (its done event, before it is set): the future's state, and
-        the waiters of ``concurrent.futures.wait`` / ``as_completed`` told."""
+        """The call has ended (its done event, before it is set): the future completed through
+        its public methods, which tell the waiters of ``concurrent.futures.wait`` /
+        ``as_completed`` (the callbacks are the handle's own, run after the event)."""
         from .lifecycle.state import State
 
+        if self.done():
+            return
         outcome = self._run.outcome
-        with self._condition:
-            if self._state not in (_futures.RUNNING, _futures.PENDING):
-                return
+        try:
             if outcome.state is State.CANCELLED:
-                self._state = _futures.CANCELLED_AND_NOTIFIED
-                for waiter in self._waiters:
-                    waiter.add_cancelled(self)
+                super().cancel()  # pending: cancelled ...
+                super().set_running_or_notify_cancel()  # ... and the waiters told
+            elif outcome.error is None:
+                super().set_result(outcome.results or [])
             else:
-                self._state = _futures.FINISHED
-                for waiter in self._waiters:
-                    if outcome.error is None:
-                        waiter.add_result(self)
-                    else:
-                        waiter.add_exception(self)
-            self._condition.notify_all()
-
-    def _run_callbacks(self) -> None:
-        """The done callbacks, once (the call's ending thread); then dropped."""
-        with self._condition:
-            callbacks, self._done_callbacks[:] = list(self._done_callbacks), []
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:
-                log.exception("a done callback of run %s failed", self.run_id)
+                super().set_exception(outcome.error)
+        except concurrent.futures.InvalidStateError:
+            pass  # already completed
 
     def set_running_or_notify_cancel(self) -> bool:
         raise RuntimeError("a RunHandle is run and completed by its call, not by an executor")

@@ -126,8 +126,32 @@ class DistributedTimeoutError(DistributedError, TimeoutError):
     """The call ran past its ``timeout``; every rank was stopped."""
 
 
-class DistributedCancelledError(DistributedError):
-    """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was stopped."""
+_CANCELLED_DOC = """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was
+    stopped. Also a ``concurrent.futures.CancelledError``, as a cancelled future's error is."""
+
+if TYPE_CHECKING:
+    from concurrent.futures import CancelledError
+
+    class DistributedCancelledError(DistributedError, CancelledError):
+        """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was
+        stopped. Also a ``concurrent.futures.CancelledError``, as a cancelled future's error is."""
+
+
+def __getattr__(name: str) -> Any:
+    """`DistributedCancelledError`, made on first use: its base
+    ``concurrent.futures.CancelledError`` imports ``logging`` and ``threading``, which would
+    double the time of ``import gangrun``. Pickling and ``from gangrun.errors import ...``
+    reach it here."""
+    if name != "DistributedCancelledError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from concurrent.futures import CancelledError
+
+    made = type(
+        name,
+        (DistributedError, CancelledError),
+        {"__doc__": _CANCELLED_DOC, "__module__": __name__, "__qualname__": name},
+    )
+    return globals().setdefault(name, made)  # one class, whichever thread made it first
 
 
 class DistributedPreemptedError(DistributedError):

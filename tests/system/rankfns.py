@@ -117,6 +117,13 @@ def sleeper(pid_dir: str, seconds: float = 60) -> None:
     time.sleep(seconds)
 
 
+def slow_to_stop(pid_dir: str) -> None:
+    """Sleep, deaf to SIGTERM: the teardown takes the whole grace period (then SIGKILL)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    write_pid(pid_dir)
+    time.sleep(60)
+
+
 def big_return(mb: int) -> bytes:
     return bytes([rank()]) * (mb << 20)
 

@@ -173,7 +173,7 @@ def test_cancel(tmp_path):
     assert not h.done()
     with pytest.raises(TimeoutError):
         h.result(timeout=0.1)
-    assert h.cancel() is True
+    assert h.cancel(wait=30) is True  # wait: until the ranks are down (at most 30 s)
     assert h.done()
     with pytest.raises(DistributedCancelledError, match="cancelled"):
         h.result()

@@ -1,6 +1,9 @@
 """`RunHandle` is a `concurrent.futures.Future` of real 2-rank calls: `wait`, `as_completed`,
 `exception()`, `add_done_callback()`, `running()`, `cancelled()`, `cancel(reason=)`; and the
-future half keeps no handle (nor its run directory) alive (issue 23 item 7)."""
+future half keeps no handle (nor its run directory) alive (issue 23 item 7). ``cancel()``
+returns at once, as ``Future.cancel()`` does, while the ranks are torn down (issue 30 item 5;
+the same on fakes, and the check that no private field of Future is used:
+tests/unit/test_handle_future.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import concurrent.futures as cf
 import gc
 import os
 import threading
+import time
 
 import pytest
 import rankfns
@@ -111,4 +115,24 @@ def test_a_failed_call_with_a_callback_leaves_nothing_once_dropped(tmp_path):
     del h, err
     gc.collect()
     assert not os.path.exists(run_dir)
+    assert_no_survivors()
+
+
+def test_cancel_returns_at_once_while_the_ranks_go_down(tmp_path):
+    """Ranks deaf to SIGTERM take the whole grace period to go: ``cancel()`` does not wait for
+    them, ``result()`` does; the error is also a ``concurrent.futures.CancelledError``."""
+    h = run2(rankfns.slow_to_stop, grace_period=3).submit(str(tmp_path))
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(tmp_path.iterdir())) == 2, "the ranks did not start"
+    t0 = time.monotonic()
+    assert h.cancel() is True
+    assert time.monotonic() - t0 < 1.5  # not the 3 s grace period
+    assert not h.done() and h.running() and not h.cancelled()  # the ranks are going down
+    with pytest.raises(cf.CancelledError) as ei:  # what a plain Future's caller catches
+        h.result(timeout=60)
+    assert isinstance(ei.value, DistributedCancelledError)
+    assert time.monotonic() - t0 >= 2.5  # result() waited for the teardown
+    assert h.cancelled() and h.done() and not h.running()
     assert_no_survivors()

@@ -194,7 +194,7 @@ def test_timeout_marks_the_run_killed(store):
 def test_cancel_marks_the_run_killed(store):
     handle = _sleeper.submit()
     _wait_for(lambda: "sleeping" in handle.logs(1), what="rank 1 output")
-    assert handle.cancel()
+    assert handle.cancel(wait=30)  # the run is ended once the call has
     run = store.get_run(handle.mlflow_run_id)
     assert run.info.status == "KILLED"
     assert "cancelled" in run.data.tags["gangrun.status_reason"]

@@ -170,7 +170,7 @@ class Gang(Exchanges):
         except BaseException:
             release({}, self._dir)
             if self._handle is not None:
-                self._handle.cancel()
+                self._handle.cancel(wait=30.0)
             raise
         finally:
             listener.close()
@@ -211,7 +211,7 @@ class Gang(Exchanges):
                 handle.result(timeout=timeout)
             except TimeoutError:
                 log.warning("gang: ranks did not leave within %ss; stopping them", timeout)
-                handle.cancel()
+                handle.cancel(wait=30.0)
             except DistributedError as err:
                 log.warning("gang: the ranks failed while closing: %s", err)
         _live.discard(self)
@@ -367,7 +367,7 @@ class Gang(Exchanges):
             try:
                 handle.result(timeout=3.0 + self.options.grace_period)
             except TimeoutError:
-                handle.cancel()
+                handle.cancel(wait=30.0)
             except DistributedError as e:
                 err = e
             if err is None:

@@ -184,7 +184,7 @@ def _tags(tracker: Tracker, required: bool) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- preemption
-def request_stop(sup: Supervisor, wait: float) -> bool:
+def request_stop(sup: Supervisor, wait: float | None) -> bool:
     """Ask the call's ranks to save and stop; cancel it if they have not within the grace
     period. True if the call was still running."""
     if sup.done() or sup.rundir is None:

@@ -200,7 +200,7 @@ class Supervisor:
         return self.outcome.results
 
     def cancel(
-        self, reason: str = "cancelled", wait: float = 30.0, checkpoint: bool = False
+        self, reason: str = "cancelled", wait: float | None = 30.0, checkpoint: bool = False
     ) -> bool:
         """Stop every rank; True if the call was still running. Travels as a
         `CancelRequested` event. ``checkpoint``: the ranks save and stop first."""
@@ -217,7 +217,7 @@ class Supervisor:
             events = self._events
         if events is not None:
             events.put(CancelRequested(reason))
-        self._done.wait(wait)
+        self.wait(wait)  # seconds for the end (None: until it has ended)
         return True
 
     def release(self) -> None:
