@@ -54,6 +54,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "system/test_data_checkpoint.py": (),
     "system/test_dataloader_resume.py": (),
     "system/test_elastic.py": (),
+    "system/test_elastic_data.py": (),
+    "system/test_quiet_output.py": (),
     "system/test_first_steps.py": (),
     "system/test_first_steps.py::test_first_call_after_prewarm_imports_nothing_in_the_kernel": (
         "kernel",
@@ -72,12 +74,17 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "system/test_notebook_watch.py": ("kernel",),
     "system/test_packaging.py": ("packaging",),
     "system/test_ray.py": ("ray",),
+    "system/test_ray_caller.py": ("ray",),
+    "system/test_ray_elastic.py": ("ray",),
     "system/test_ray_cluster.py": ("ray", "kernel"),
     "system/test_tables.py": (),
     "system/test_torch_distributor.py": (),
     "system/test_tracking.py": (),
     "system/test_tracking_options.py": (),
     "system/test_watch.py": (),
+    "unit/test_demo_install.py::test_make_demo_installs_the_demo_set_and_make_test_the_dev_set": (
+        "packaging",
+    ),
 }
 
 # The main paths, one test each (make test-smoke): a call, a failure, a timeout, a cancel, the
