@@ -24,7 +24,7 @@ class Accelerator:
 
 def _nvml_query() -> list[Accelerator] | None:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except Exception:
         return None
     try:
@@ -188,7 +188,7 @@ def gpu_usage(nvml: Any = None) -> dict[int, GpuUsage] | None:
     cannot tell (no ``pynvml``, no driver). ``nvml`` replaces the ``pynvml`` module (tests)."""
     if nvml is None:
         try:
-            import pynvml as nvml  # type: ignore[import-not-found,no-redef]
+            import pynvml as nvml  # type: ignore[no-redef]
         except Exception:  # not installed: nothing to tell
             return None
     try:

@@ -296,7 +296,7 @@ class DistributedFunction(Generic[P, R]):
         if options is not None:
             explicit = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         self._explicit: dict[str, Any] = dict(explicit or {})
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
         from .notebook.session import on_decorate
 
         try:
@@ -307,7 +307,7 @@ class DistributedFunction(Generic[P, R]):
     @property
     def _options(self) -> Options:
         """The options in force now (explicit > set_defaults > environment > built-in)."""
-        return _defaults.resolve(self._explicit)  # type: ignore[no-any-return]
+        return _defaults.resolve(self._explicit)
 
     @property
     def settings(self) -> Options:

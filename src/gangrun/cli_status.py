@@ -115,8 +115,8 @@ def start(
         return handle_factory(), None
     status = StatusLine(err)
     out_before, err_before = sys.stdout, sys.stderr
-    sys.stdout = ClearingStream(out_before, status)  # type: ignore[assignment]
-    sys.stderr = ClearingStream(err_before, status)  # type: ignore[assignment]
+    sys.stdout = ClearingStream(out_before, status)
+    sys.stderr = ClearingStream(err_before, status)
     try:
         handle = handle_factory()  # the call's output pump keeps the clearing streams
     finally:

@@ -85,7 +85,7 @@ class DistributedError(RuntimeError):
         if self.handle is None:
             return self.log_tail or ""
         r = self.rank if rank is None else rank
-        return self.handle.logs(0 if r is None else r)  # type: ignore[attr-defined,no-any-return]
+        return self.handle.logs(0 if r is None else r)  # type: ignore[attr-defined]
 
     @property
     def signal(self) -> str | None:

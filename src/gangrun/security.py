@@ -85,7 +85,7 @@ def load_private(path: str) -> Any:
             raise UnsafePathError(f"{path} is not a private file of this user; not loading it.")
         from .serialization import load_file
 
-        return load_file(f)  # type: ignore[arg-type]
+        return load_file(f)
 
 
 def _refuse(path: str, why: str) -> LaunchError:
@@ -222,7 +222,7 @@ def open_log(path: str) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
-    return os.fdopen(fd, "ab", buffering=0)  # type: ignore[return-value]
+    return os.fdopen(fd, "ab", buffering=0)
 
 
 # scheme://user:password@ or scheme://token@ (the password may hold '@': up to the last one

@@ -137,7 +137,7 @@ def write_payload(
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as raw:
-            sink = _CountingWriter(raw, max_bytes)  # type: ignore[arg-type]
+            sink = _CountingWriter(raw, max_bytes)
             buffered = io.BufferedWriter(sink, buffer_size=1 << 20)
             try:
                 _cloudpickle().dump((fn, args, kwargs), buffered, protocol=PROTOCOL)
@@ -259,7 +259,7 @@ def _tensor_reducer(obj: Any) -> Any:
 def _result_pickler(f: Any, buffers: list) -> Any:
     cp = _cloudpickle()
 
-    class _Pickler(cp.Pickler):  # type: ignore[misc,name-defined]
+    class _Pickler(cp.Pickler):  # type: ignore[name-defined]
         def reducer_override(self, obj: Any) -> Any:
             r = _tensor_reducer(obj)
             if r is not NotImplemented:
@@ -312,7 +312,7 @@ def load_file(f: BinaryIO) -> Any:
         # A private, writable mapping of the file's pages: no copy of the data; the pages stay
         # valid after the file is removed, and writes to them never reach the file.
         mm = mmap.mmap(
-            f.fileno(),  # type: ignore[attr-defined]
+            f.fileno(),
             size,
             flags=mmap.MAP_PRIVATE,
             prot=mmap.PROT_READ | mmap.PROT_WRITE,

@@ -292,7 +292,7 @@ def chosen(choice: Any) -> str | None:
         if choice.error:
             raise RuntimeError(choice.error)
         return choice.url
-    return choice  # type: ignore[no-any-return]
+    return choice
 
 
 class DamagedCheckpointWarning(UserWarning):

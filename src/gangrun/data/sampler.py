@@ -97,7 +97,7 @@ def rank_share(order: list[int], start: int, rank: int, world: int, drop_last: b
     return rest[rank::world]
 
 
-class DistributedSampler(_TorchDistributedSampler):  # type: ignore[type-arg]
+class DistributedSampler(_TorchDistributedSampler):
     """torch's ``DistributedSampler`` with one global order and a resumable global position
     (see the module docstring).
 

@@ -443,7 +443,7 @@ class Reader:
         if self._direct is not None:
             t = self._direct.read_row_group(g, columns=ds.columns, use_threads=self.threads)
             return pa.Table.from_arrays(t.select(ds.columns).columns, schema=self._out_schema)
-        return self._groups[g].to_table(  # type: ignore[no-any-return]
+        return self._groups[g].to_table(
             schema=ds.schema, columns=ds.columns, filter=ds.filter, use_threads=self.threads
         )
 

@@ -13,7 +13,7 @@ from ..records import ErrorRecord, RankFailure
 log = logging.getLogger("gangrun.interactive")
 
 
-class PerRank(list):  # type: ignore[type-arg]
+class PerRank(list):
     """Per-rank values in rank order; shown one line per rank in a notebook."""
 
     def _repr_pretty_(self, p: Any, _cycle: bool) -> None:

@@ -28,7 +28,7 @@ def next_event(events: queue.Queue[QueueItem], wait: float | None) -> Event | No
         item = events.get(timeout=wait)
     except queue.Empty:
         return None
-    return RankExited(item) if isinstance(item, RankExit) else item  # type: ignore[no-any-return]
+    return RankExited(item) if isinstance(item, RankExit) else item
 
 
 def wait_attempt(

@@ -268,7 +268,7 @@ def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
         env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
         env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
         env.pop("excludes", None)
-        return env  # type: ignore[no-any-return]
+        return env
     except Exception as exc:
         raise LaunchError(
             f"Could not upload the local working_dir/py_modules of {contract.RAY_RUNTIME_ENV} "

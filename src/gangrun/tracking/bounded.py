@@ -157,7 +157,7 @@ def bounded(
     t.join()
     if "error" in box:
         raise box["error"]
-    return box["value"]  # type: ignore[no-any-return]
+    return box["value"]
 
 
 class HealthWatch:
