@@ -391,10 +391,12 @@ def _module_of(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
+_needed: dict[str, str] = {}  # node id -> what it needs ("kernel+browser"), when anything
+
+
 def _tier_of(report: pytest.TestReport) -> str:
-    needed = [n for n in tiers.FAST_LEAVES_OUT if n in report.keywords]
-    if needed:
-        return "+".join(needed)
+    if report.nodeid in _needed:
+        return _needed[report.nodeid]
     return "unit" if _is_unit(report.nodeid) else "fast"
 
 
@@ -416,8 +418,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if module is None:
             continue
         test = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else item.name
-        for need in sorted(tiers.needs(module, test)):
+        needs = tiers.needs(module, test)
+        for need in sorted(needs):
             item.add_marker(need)
+        if needs:
+            _needed[item.nodeid] = "+".join(n for n in tiers.FAST_LEAVES_OUT if n in needs)
         if tiers.is_smoke(module, test):
             item.add_marker("smoke")
             found.add(f"{module}::{test.split('[', 1)[0]}")

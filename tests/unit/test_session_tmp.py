@@ -41,6 +41,7 @@ def test_the_unit_tier_fails_past_its_time_budget(tmp_path):
     unit = tmp_path / "tests" / "unit"
     unit.mkdir(parents=True)
     (tmp_path / "tests" / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tmp_path / "tests" / "tiers.py").write_text((TESTS / "tiers.py").read_text())
     (unit / "test_slow.py").write_text("import time\n\ndef test_slow():\n    time.sleep(0.3)\n")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"]
     over = run_bounded([*cmd, "--unit-budget=0.1", str(unit)], cwd=tmp_path, timeout=120)
@@ -67,6 +68,7 @@ def test_a_session_that_leaves_files_fails_naming_them(tmp_path):
     tests = tmp_path / "tests"
     (tests / "unit").mkdir(parents=True)  # (a unit test: no MLflow store made for it)
     (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tests / "tiers.py").write_text((TESTS / "tiers.py").read_text())
     (tests / "unit" / "test_leaks.py").write_text(LEAKS)
     home = tmp_path / "home"
     home.mkdir()
@@ -112,6 +114,7 @@ def test_a_run_directory_held_by_a_live_handle_is_not_a_leftover(tmp_path):
     tests = tmp_path / "tests"
     (tests / "unit").mkdir(parents=True)
     (tests / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tests / "tiers.py").write_text((TESTS / "tiers.py").read_text())
     (tests / "unit" / "test_kept.py").write_text(KEEPS_AN_ERROR)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}"]
     env: dict[str, str | None] = {
