@@ -61,6 +61,24 @@ def _full(model: Any, opt: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     )
 
 
+def _finish(ckpt: Any, model: Any, opt: Any, rank: int, restored: Any) -> dict[str, Any]:
+    """The end of a run: the last save, every rank's; rank 0's full model and optimizer now
+    and after the restore (``restored``)."""
+    import torch.distributed as dist
+
+    ckpt.save()
+    ckpt.close()
+    model_sd, optim_sd = _full(model, opt)
+    dist.barrier()
+    mine = rank == 0
+    return {
+        "rank": rank,
+        "model": model_sd if mine else None,
+        "optim": optim_sd if mine else None,
+        "restored": restored if mine else None,
+    }
+
+
 def train(
     framework: str, total: int, pause: float = 0.0, every: int | None = None
 ) -> dict[str, Any]:
@@ -105,20 +123,8 @@ def train(
                 break
         else:
             state["epoch"] = epoch + 1
-    ckpt.save()
-    ckpt.close()
-    model_sd, optim_sd = _full(model, opt)
-    dist.barrier()
-    return {
-        "rank": rank,
-        "world": world,
-        "start": start,
-        "reads": reads,
-        "losses": losses,
-        "model": model_sd if rank == 0 else None,
-        "optim": optim_sd if rank == 0 else None,
-        "restored": restored if rank == 0 else None,
-    }
+    out = _finish(ckpt, model, opt, rank, restored)
+    return {**out, "world": world, "start": start, "reads": reads, "losses": losses}
 
 
 def train_data(kind: str, root: str, epochs: int, total: int, workers: int) -> dict[str, Any]:
@@ -168,18 +174,7 @@ def train_data(kind: str, root: str, epochs: int, total: int, workers: int) -> d
                 break
         else:
             state["epoch"] = epoch + 1
-    ckpt.save()
-    ckpt.close()
-    model_sd, optim_sd = _full(model, opt)
-    dist.barrier()
-    return {
-        "rank": rank,
-        "start": start,
-        "reads": reads,
-        "model": model_sd if rank == 0 else None,
-        "optim": optim_sd if rank == 0 else None,
-        "restored": restored if rank == 0 else None,
-    }
+    return {**_finish(ckpt, model, opt, rank, restored), "start": start, "reads": reads}
 
 
 def json_ids(raw: bytes) -> Any:

@@ -10,12 +10,15 @@ never used (it would stop other people's clusters on this machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 
 import psutil
 
@@ -124,3 +127,21 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+@contextlib.contextmanager
+def running(hidden: str, **env: str) -> Iterator[TwoRaylets]:
+    """A started cluster (``env``: more variables for its processes) that this process is
+    connected to; at the end disconnected and killed, and nothing of it may survive."""
+    import ray
+
+    c = TwoRaylets(tempfile.mkdtemp(prefix="grray-", dir="/tmp"), hidden)  # short: socket paths
+    c.env.update(env)
+    try:
+        c.start()
+        ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
+        yield c
+    finally:
+        ray.shutdown()
+        left = c.stop()
+        assert not left, f"processes of the cluster survived: {left}"

@@ -72,6 +72,17 @@ def _world(make, world, workers, cut=None, states=None, then=None):
     return out, saved
 
 
+def _chain(make, worlds):
+    """Worlds ``(ranks, workers, cut)`` each continuing the one before (the last reads to the
+    epoch's end): how often each sample was read across them, and each world's states."""
+    read, states, saved = collections.Counter(), [], None
+    for world, workers, cut in worlds:
+        got, saved = _world(make, world, workers, cut=cut, states=saved)
+        read.update(x for part in got for x in part)
+        states.append(saved)
+    return read, states
+
+
 def _check(make, total, old, new, w_old, w_new, cut):
     head, states = _world(make, old, w_old, cut=cut)
     after: list[list[int]] = []
@@ -178,10 +189,7 @@ def test_interrupted_twice_on_three_worlds(tmp_path):
     def make(r, w, workers):
         return table(r, w, workers, root=root, shuffle=True, batch=40, buf=100)
 
-    head, s1 = _world(make, 2, 0, cut=3)
-    mid, s2 = _world(make, 3, 0, cut=2, states=s1)
-    tail, _ = _world(make, 1, 0, states=s2)
-    read = collections.Counter(x for part in head + mid + tail for x in part)
+    read, _ = _chain(make, [(2, 0, 3), (3, 0, 2), (1, 0, None)])
     assert sorted(read) == total and max(read.values()) == 1
 
 
@@ -239,11 +247,8 @@ def test_rank_scope_rest_then_another_world(tmp_path):
     def make(r, w, workers):
         return table(r, w, workers, root=root, shuffle=True, batch=30, buf=90)
 
-    head, s1 = _world(make, 2, 2, cut=3)
-    mid, s2 = _world(make, 2, 0, cut=4, states=s1)
-    assert all("base" in json.loads(v) for k, v in s2.items() if k.startswith("rank"))
-    tail, _ = _world(make, 3, 0, states=s2)
-    read = collections.Counter(x for part in head + mid + tail for x in part)
+    read, states = _chain(make, [(2, 2, 3), (2, 0, 4), (3, 0, None)])
+    assert all("base" in json.loads(v) for k, v in states[1].items() if k.startswith("rank"))
     assert sorted(read) == total and max(read.values()) == 1
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import time
 
 import pytest
@@ -51,19 +50,10 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(base):
-    import ray
-    from raycluster import TwoRaylets
+    from raycluster import running
 
-    temp = tempfile.mkdtemp(prefix="grray-", dir="/tmp")  # short: Ray's socket paths
-    c = TwoRaylets(temp, str(base))
-    try:
-        c.start()
-        ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
+    with running(str(base)) as c:
         yield c
-    finally:
-        ray.shutdown()
-        left = c.stop()
-        assert not left, f"processes of the cluster survived: {left}"
 
 
 @pytest.fixture

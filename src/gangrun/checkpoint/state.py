@@ -268,7 +268,7 @@ def resume_note(e: Entries, step: int, saved: int, world: int) -> str:
     return parts[0] + (": " + ", ".join(what) if what else "")
 
 
-def _resharded(rank: int, saved: int | None) -> bool:
+def _resharded(saved: int | None) -> bool:
     return bool(saved) and saved != world_size()
 
 
@@ -279,7 +279,7 @@ def load_template(e: Entries, rank: int, saved: int | None = None) -> dict[str, 
     tpl = {k: _model_sd(m) for k, m in e.models.items()}
     tpl.update({k: _optim_sd(e.models[mk], o) for k, (o, mk) in e.optims.items()})
     tpl[blob_key(rank, saved)] = b""
-    if saved and _resharded(rank, saved) and e.stateful:
+    if saved and _resharded(saved) and e.stateful:
         for r in range(saved):
             tpl[BLOB.format(rank=r)] = b""
     return tpl
@@ -326,7 +326,7 @@ def apply(
     if not raw:
         raise RuntimeError(f"the checkpoint holds nothing for rank {rank}")
     blob: dict[str, Any] = from_bytes(raw)
-    if saved and _resharded(rank, saved):
+    if saved and _resharded(saved):
         _with_every_rank(tpl, blob, saved)
     for key, obj in e.stateful.items():
         if key in blob["stateful"]:

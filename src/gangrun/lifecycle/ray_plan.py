@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -168,8 +167,8 @@ def resize(call: CallRecord, gang: Any, wait_s: float = 60.0) -> CallRecord:
             f"gangrun: restarting {call.fn_name} on {world} ranks (the cluster can place {have} "
             f"{kind} bundle(s) of the {want} asked; min_ranks={opts.min_ranks})",
             file=call.stderr,
+            flush=True,
         )
-        sys.stderr.flush()
         return dataclasses.replace(call, plan=dataclasses.replace(call.plan, world_size=world))
     return call
 
