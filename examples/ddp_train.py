@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gangrun
 from gangrun import distributed
-from gangrun.accelerators import detect
+from gangrun.host.accelerators import detect
 
 
 def make_model() -> nn.Module:

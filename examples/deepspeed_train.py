@@ -22,8 +22,8 @@ from torch import nn
 
 import gangrun
 from gangrun import distributed
-from gangrun.accelerators import detect
 from gangrun.compat.frameworks import deepspeed_setup
+from gangrun.host.accelerators import detect
 
 
 def make_model() -> nn.Module:

@@ -31,7 +31,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import gangrun
 from gangrun import distributed
-from gangrun.accelerators import detect
+from gangrun.host.accelerators import detect
 
 
 def make_model() -> nn.Module:

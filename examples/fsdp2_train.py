@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 import gangrun
 from gangrun import distributed
-from gangrun.accelerators import detect
+from gangrun.host.accelerators import detect
 
 
 def make_model() -> nn.Module:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import gangrun
-from gangrun.accelerators import detect
+from gangrun.host.accelerators import detect
 
 STEPS = 40
 

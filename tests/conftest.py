@@ -224,7 +224,7 @@ def _whose(path: str) -> str:
     """A run directory's call, to find the test that left it: `` (fn, state, caller)``."""
     import json
 
-    from gangrun.platform import process_identity
+    from gangrun.host.system import process_identity
 
     try:
         with open(os.path.join(path, "call.json")) as f:

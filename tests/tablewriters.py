@@ -96,7 +96,7 @@ def write_delta(uri: str, endpoint: str | None = None) -> tuple[set[int], set[in
 
 def in_pool(ds: Any, address: int) -> bool:
     """Whether memory at ``address`` lies in one of ``ds``'s shared memory pool blocks
-    (TableLoader's hand-over: `gangrun.data.table_wire.BlockPool`)."""
+    (TableLoader's hand-over: `gangrun.data.table.handover.BlockPool`)."""
     pool = ds.pool
     return pool is not None and any(
         b.ctypes.data <= address < b.ctypes.data + pool.block_bytes

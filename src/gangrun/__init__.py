@@ -26,10 +26,10 @@ TYPE_CHECKING = False  # not `typing.TYPE_CHECKING`: importing typing is most of
 if TYPE_CHECKING:  # pragma: no cover
     from typing import Any
 
-    from .accelerators import backend, device
     from .api import DistributedFunction, Options, RunHandle, distributed
     from .defaults import reset_defaults, set_defaults
     from .errors import DistributedCancelledError
+    from .host.accelerators import backend, device
     from .interactive.magic import load_ipython_extension
     from .interactive.session import Gang
     from .options import ForkServerOptions, RayOptions
@@ -47,8 +47,8 @@ _LAZY = {
     "Options": "api",
     "RayOptions": "options",
     "ForkServerOptions": "options",
-    "device": "accelerators",
-    "backend": "accelerators",
+    "device": "host.accelerators",
+    "backend": "host.accelerators",
     "heartbeat": "rank.heartbeat",
     "report_step": "rank.progress",
     "Checkpointer": "rank.checkpointer",

@@ -326,7 +326,7 @@ class Options:
     tags: Mapping[str, str] = field(default_factory=dict)
     hang_timeout: float | None = None
     # GPUs busy with another call of this user: wait up to this many seconds for them
-    # (0: fail at once with LaunchError, None: wait without limit). See gangrun.reservation.
+    # (0: fail at once with LaunchError, None: wait without limit). See gangrun.host.reservation.
     gpu_wait: float | None = 0.0
     # In a Jupyter kernel: the live panel of each call (off with False or output="none").
     progress: bool = True

@@ -53,7 +53,7 @@ def _enter() -> bool:
             return True
         if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
             return False  # already a rank of some world: leave it as it is
-        from .platform import free_port
+        from .host.system import free_port
 
         _set = {k: v for k, v in WORLD_OF_ONE.items() if k not in os.environ}
         if "MASTER_PORT" not in os.environ:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .platform import own_dirs, process_identity
+from .host.system import own_dirs, process_identity
 from .records import RankContext
 
 log = logging.getLogger("gangrun.rundir")
@@ -202,8 +202,8 @@ def reap_stale(tmp: str | None = None, *, force: bool = False) -> list[str]:
 def _raise_if_full(what: str, path: str, exc: OSError) -> None:
     """A run-directory file the caller could not write for want of room: a
     [`LaunchError`][gangrun.errors.LaunchError] that says so (other errors are left as they are)."""
-    from .diskspace import full_message, is_full
     from .errors import LaunchError
+    from .host.diskspace import full_message, is_full
 
     if is_full(exc):
         raise LaunchError("gangrun " + full_message(what, path, exc)) from exc

@@ -161,7 +161,7 @@ def write_payload(
 
 
 def _not_written(path: str, exc: OSError) -> LaunchError:
-    from . import diskspace
+    from .host import diskspace
 
     if diskspace.is_full(exc):
         return LaunchError("gangrun " + diskspace.full_message("the call's payload", path, exc))

@@ -16,7 +16,7 @@ import rel_funcs
 
 import gangrun
 from gangrun import DistributedError, LaunchError
-from gangrun.platform import process_identity
+from gangrun.host.system import process_identity
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,8 +14,9 @@ import pytest
 import rel_funcs
 
 import gangrun
-from gangrun import LaunchError, reservation
-from gangrun.accelerators import Accelerator
+from gangrun import LaunchError
+from gangrun.host import reservation
+from gangrun.host.accelerators import Accelerator
 
 
 def test_concurrent_submits_run_side_by_side():
@@ -53,7 +54,7 @@ def fake_gpus(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     tag = uuid.uuid4().hex[:8]
     devs = [Accelerator(i, "NVIDIA H100 80GB HBM3", f"GPU-{tag}-{i}") for i in range(4)]
-    monkeypatch.setattr(gangrun.accelerators, "detect", lambda: list(devs))
+    monkeypatch.setattr(gangrun.host.accelerators, "detect", lambda: list(devs))
     return devs
 
 
@@ -100,7 +101,7 @@ def test_reservation_is_cross_process_and_freed_when_holder_dies(fake_gpus):
         f"""
         import sys, time
         from gangrun import reservation
-        from gangrun.accelerators import Accelerator
+        from gangrun.host.accelerators import Accelerator
         devs = [Accelerator(i, "H100", {fake_gpus[0].uuid[:-2]!r} + "-" + str(i)) for i in range(4)]
         res = reservation.reserve(devs, 2, wait=0)
         print("held", res.indices, flush=True)

@@ -158,7 +158,7 @@ def _gangrun_threads() -> list[str]:
     ]
 
 
-# a user's lock directories, made once and kept on purpose (gangrun.reservation.lock_dir)
+# a user's lock directories, made once and kept on purpose (gangrun.host.reservation.lock_dir)
 _KEPT = ("gangrun-gpus-", "gangrun-locks-")
 
 

@@ -188,7 +188,7 @@ def test_script_travels_with_its_source(tmp_path, monkeypatch):
     """On another node (backend="ray") the script's path may not exist: its text is shipped."""
     import pickle
 
-    from gangrun.cli import ScriptTarget
+    from gangrun.cli.entry import ScriptTarget
 
     src = tmp_path / "gone.py"
     src.write_text("import sys\nRESULT = sys.argv[1:]\nassert __name__ == '__main__'\n")

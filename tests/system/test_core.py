@@ -261,7 +261,7 @@ def test_caller_sigkilled_mid_run(script, tmp_path, monkeypatch):
     mine = private_tmp / "gangrun-alive"
     mine.mkdir(mode=0o700)
     (mine / "context.json").write_text(
-        json.dumps({"caller": gangrun.platform.process_identity(os.getpid())})
+        json.dumps({"caller": gangrun.host.system.process_identity(os.getpid())})
     )
     assert gangrun.rundir.reap_stale() == [str(left[0])]
     assert not left[0].exists() and mine.exists()  # a live caller's directory stays

@@ -293,8 +293,8 @@ def test_bad_tracking_input_is_a_launch_error_before_anything_starts(
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_system_metrics_on_by_default_for_gpu_calls(store, monkeypatch):
-    from gangrun import accelerators
-    from gangrun.accelerators import Accelerator
+    from gangrun.host import accelerators
+    from gangrun.host.accelerators import Accelerator
 
     # a mock stands in for the GPU we lack; the rank itself needs none
     fake = [Accelerator(0, "NVIDIA H100 80GB HBM3", f"GPU-tracking-{os.getpid()}")]

@@ -147,8 +147,8 @@ def wait_listed(pid, timeout=60):
 AS_NOBODY = """
 import os, socket, sys
 import json, logging, tempfile
-import gangrun, gangrun.cli as cli, gangrun.cli_node, gangrun.lifecycle.control
-import gangrun.platform, gangrun.progress_view, gangrun.rundir
+import gangrun, gangrun.cli.entry as cli, gangrun.cli.node, gangrun.lifecycle.control
+import gangrun.host.system, gangrun.progress_view, gangrun.rundir
 cli._parsers()  # every module the command needs, loaded while still root (the stdlib is
 # under /root, which another user cannot read)
 run_id, control = sys.argv[1], sys.argv[2]

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from gangrun import checkpoint  # noqa: E402
 from gangrun.checkpoint import DamagedCheckpointError, integrity  # noqa: E402
-from gangrun.cli import main as cli  # noqa: E402
+from gangrun.cli.entry import main as cli  # noqa: E402
 
 
 def _state(v: float = 1.0) -> dict:

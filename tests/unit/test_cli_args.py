@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gangrun.cli import _split_run, exit_code_for
+from gangrun.cli.entry import _split_run, exit_code_for
 from gangrun.errors import (
     DistributedCancelledError,
     DistributedError,
@@ -50,8 +50,8 @@ import dataclasses  # noqa: E402
 import gangrun  # noqa: E402
 from gangrun import Options  # noqa: E402
 from gangrun import defaults as _defaults  # noqa: E402
-from gangrun.cli import _parsers, main  # noqa: E402
-from gangrun.cli_options import FLAGS, options_from_args, speak_cli  # noqa: E402
+from gangrun.cli.entry import _parsers, main  # noqa: E402
+from gangrun.cli.options import FLAGS, options_from_args, speak_cli  # noqa: E402
 
 FLAG_CASES = [
     (["--gpus", "2"], "gpus", 2),
@@ -220,7 +220,7 @@ def test_speak_cli_hook():
 
 
 def test_no_gpu_note_from_the_cli_speaks_cli(tmp_path, capsys, monkeypatch, no_defaults):
-    from gangrun import accelerators
+    from gangrun.host import accelerators
 
     monkeypatch.setattr(accelerators, "detect", lambda: [])  # a node without GPUs
     script = tmp_path / "t.py"

@@ -11,8 +11,9 @@ import types
 
 import pytest
 
-from gangrun import LaunchError, accelerators, distributed, reservation
-from gangrun.accelerators import Accelerator, GpuProcess, GpuUsage
+from gangrun import LaunchError, distributed
+from gangrun.host import accelerators, reservation
+from gangrun.host.accelerators import Accelerator, GpuProcess, GpuUsage
 from gangrun.lifecycle.plan import base_env, plan_local
 
 DEVS = [Accelerator(i, "NVIDIA H100 80GB HBM3", f"GPU-{i}abc") for i in (0, 1, 2, 3)]

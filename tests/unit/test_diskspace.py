@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from gangrun import LaunchError, diskspace, serialization
+from gangrun import LaunchError, serialization
+from gangrun.host import diskspace
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
 

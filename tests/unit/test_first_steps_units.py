@@ -14,8 +14,8 @@ import pytest
 
 import gangrun
 from gangrun import defaults as _defaults
-from gangrun.cli import main
-from gangrun.cli_support import with_log_paths
+from gangrun.cli.entry import main
+from gangrun.cli.support import with_log_paths
 from gangrun.launch import RankExit
 from gangrun.lifecycle.rootcause import Candidate, build_error
 from gangrun.options import Options
@@ -95,7 +95,7 @@ def test_script_flags_are_the_scripts(tmp_path, capsys):
 
 
 def test_info_shows_a_rank_environment_without_gpus_or_processes(capsys, monkeypatch, no_defaults):
-    from gangrun import accelerators
+    from gangrun.host import accelerators
 
     monkeypatch.setattr(accelerators, "detect", lambda: [])  # a node without GPUs
     assert main(["info"]) == 0
@@ -169,7 +169,7 @@ def test_source_tags_name_the_script_and_its_own_repository(tmp_path):
 
 
 def test_the_cli_target_names_its_script_or_module_file(tmp_path, monkeypatch):
-    from gangrun.cli import ScriptTarget
+    from gangrun.cli.entry import ScriptTarget
 
     script = tmp_path / "train.py"
     script.write_text("")

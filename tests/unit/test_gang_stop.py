@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from fakes import FakeSpawner, fake_process_gang
-from gangrun import platform
 from gangrun.errors import LaunchError
+from gangrun.host import system as platform
 from gangrun.rundir import RunDir
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL

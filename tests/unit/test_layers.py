@@ -32,12 +32,7 @@ LAYERS: dict[str, int] = {
     "gangrun.checks": API,  # mistakes caught before anything starts (every submit())
     "gangrun.defaults": API,
     "gangrun.plain": API,  # a plain call of a decorated function: a world of one
-    "gangrun.cli": API,
-    "gangrun.cli_options": API,
-    "gangrun.cli_support": API,
-    "gangrun.cli_node": API,  # gangrun ps/logs/stacks/stop
-    "gangrun.cli_checkpoints": API,  # gangrun checkpoints URL
-    "gangrun.cli_status": API,  # gangrun run's status line
+    "gangrun.cli": API,  # the gangrun command (cli/: entry, options, node, status...)
     "gangrun.compat": API,
     "gangrun.interactive": API,  # Gang: a long-lived call over the public API
     "gangrun.notebook": API,  # the notebook panel and its rendering, output routing, prewarm
@@ -47,12 +42,11 @@ LAYERS: dict[str, int] = {
     "gangrun.rank": RANK,
     # platform-level helpers, usable from every layer and inside ranks
     "gangrun.records": PLATFORM,
+    "gangrun.host": PLATFORM,  # what this machine has (host/: system, accelerators, locks...)
     "gangrun.rundir": PLATFORM,
     "gangrun.contract": PLATFORM,
-    "gangrun.platform": PLATFORM,
     "gangrun.version": PLATFORM,
     "gangrun.exitcodes": PLATFORM,
-    "gangrun.diskspace": PLATFORM,  # a full disk said as such (rank side too)
     "gangrun.options": PLATFORM,  # the typed settings record every layer reads
     "gangrun.progress_view": PLATFORM,  # progress records and their formatting
     "gangrun._log": PLATFORM,
@@ -64,9 +58,6 @@ LAYERS: dict[str, int] = {
     "gangrun.security": PLATFORM,
     "gangrun.output": PLATFORM,
     "gangrun.output_fold": PLATFORM,  # a peer's death echoed in a traceback: one line
-    "gangrun.accelerators": PLATFORM,
-    "gangrun.reservation": PLATFORM,
-    "gangrun.hostlock": PLATFORM,  # short exclusive sections of one user on one host
     "gangrun.tracking": PLATFORM,  # MLflow, caller side (the rank's part: gangrun.rank)
     "gangrun.data": PLATFORM,  # user-facing inside ranks: helpers only
     "gangrun.checkpoint": PLATFORM,  # DCP save/load (gangrun.Checkpointer: gangrun.rank)

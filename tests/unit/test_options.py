@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 import gangrun
-from gangrun import LaunchError, accelerators, distributed
-from gangrun.accelerators import Accelerator
+from gangrun import LaunchError, distributed
+from gangrun.host import accelerators
+from gangrun.host.accelerators import Accelerator
 
 
 def _noop() -> int:
@@ -74,8 +75,9 @@ def test_timeout_none_disables():
 def test_a_duration_as_text_means_the_same_in_every_channel(text, seconds, monkeypatch):
     """Issue 31 item 13: ``timeout="10m"`` raised in Python while ``GANGRUN_TIMEOUT=10m`` and
     ``--timeout 10m`` worked. One parser (`gangrun.durations`) for every channel."""
-    from gangrun import cli, defaults
-    from gangrun.cli_options import options_from_args
+    from gangrun import defaults
+    from gangrun.cli import entry as cli
+    from gangrun.cli.options import options_from_args
 
     for name in ("GANGRUN_TIMEOUT", "GANGRUN_HANG_TIMEOUT", "GANGRUN_GPU_WAIT"):
         monkeypatch.delenv(name, raising=False)

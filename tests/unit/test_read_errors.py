@@ -113,7 +113,7 @@ def test_a_corrupt_page_while_counting_a_filter_is_named(parquet, tmp_path):
 @pytest.mark.parametrize("workers", [None, 0, 2])
 def test_a_damaged_column_is_named_when_converted_or_handed_over(tmp_path, output, workers):
     """Invalid UTF-8 reads without an error; it fails in the conversion (in this process) or
-    in the workers' Arrow hand-over (`table_wire`), which name the row group too."""
+    in the workers' Arrow hand-over (`table.handover`), which name the row group too."""
     root = tmp_path / "utf"
     root.mkdir()
     path = str(root / "a.parquet")

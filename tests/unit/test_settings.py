@@ -158,7 +158,7 @@ def test_the_ray_planner_reads_the_resolved_group(monkeypatch):
 
 # ------------------------------------------------------------------------ gangrun info
 def test_info_shows_every_setting_and_its_source(monkeypatch, capsys):
-    from gangrun.cli import main
+    from gangrun.cli.entry import main
 
     monkeypatch.setenv(contract.RAY_STRATEGY, "SPREAD")
     monkeypatch.setenv(contract.SLOW_AFTER, "30")
@@ -202,7 +202,7 @@ def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, ca
     """Issue 31 item 4: unusable values were listed as in force (source "env") while the
     defaults were used; now the value in force is the default, the rejected value and why
     are beside it, and ``info --check`` fails on them."""
-    from gangrun.cli import main
+    from gangrun.cli.entry import main
     from gangrun.lifecycle import watch
     from gangrun.tracking import bounded
 
@@ -243,7 +243,7 @@ def test_a_process_setting_takes_a_duration_as_every_option_does(monkeypatch, ca
     """Issue 31 item 13: one parser for every duration. ``GANGRUN_SLOW_AFTER=2m`` was
     rejected (the watch's own parser took seconds only) while ``GANGRUN_TIMEOUT=2m`` worked."""
     from gangrun import settings
-    from gangrun.cli import main
+    from gangrun.cli.entry import main
     from gangrun.lifecycle import watch
     from gangrun.tracking import bounded
 

@@ -18,7 +18,7 @@ import pytest
 import tablewriters as tw
 from conftest import run_python
 from gangrun.data import TableDataset, TableError
-from gangrun.data import table_plan as plan
+from gangrun.data.table import plan
 
 pa = pytest.importorskip("pyarrow")
 pc = pytest.importorskip("pyarrow.compute")
@@ -188,7 +188,7 @@ def test_parquet_columns_filter_and_outputs(parquet, tmp_path):
 
 
 def test_torch_batches_are_zero_copy(tmp_path):
-    from gangrun.data.table_convert import to_torch
+    from gangrun.data.table.convert import to_torch
 
     batch = pa.record_batch(
         {
@@ -330,7 +330,7 @@ def test_delta_is_read_from_its_log_not_the_directory(delta, tmp_path):
 
 
 def test_delta_refuses_what_it_cannot_read():
-    from gangrun.data.table_delta import check_protocol, delta_storage_options
+    from gangrun.data.table.delta import check_protocol, delta_storage_options
 
     check_protocol("t", 1, None, {}, 0)
     check_protocol("t", 3, ["deletionVectors", "timestampNtz"], {}, 0)
@@ -391,7 +391,7 @@ def test_clear_errors(tmp_path):
 
 def test_import_gangrun_data_imports_no_arrow():
     code = (
-        "import sys, gangrun, gangrun.data, gangrun.data.table_plan\n"
+        "import sys, gangrun, gangrun.data, gangrun.data.table.plan\n"
         "bad = [m for m in ('pyarrow', 'deltalake', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -401,7 +401,7 @@ def test_import_gangrun_data_imports_no_arrow():
 def test_cache_get_file_streams_to_disk_once_and_refills_after_eviction(tmp_path):
     from gangrun.data import FileCache
     from gangrun.data.listing import FileEntry
-    from gangrun.data.table_source import FileAccess
+    from gangrun.data.table.source import FileAccess
 
     cache = FileCache(tmp_path / "c", limit=10**6)
     calls = []

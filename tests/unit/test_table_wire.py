@@ -1,4 +1,4 @@
-"""TableLoader's worker hand-over (`gangrun.data.table_wire`): batches travel through the
+"""TableLoader's worker hand-over (`gangrun.data.table.handover`): batches travel through the
 dataset's shared memory blocks, a block is never rewritten while the training loop holds a
 batch that lives in it, and every fallback (pool exhausted, pool held by another pass,
 pickled pool) still delivers every row intact."""
@@ -102,7 +102,7 @@ def test_two_passes_at_once_do_not_share_blocks(root):
 
 
 def test_a_pickled_pool_is_none_and_workers_fall_back(root):
-    from gangrun.data.table_wire import BlockPool
+    from gangrun.data.table.handover import BlockPool
 
     assert pickle.loads(pickle.dumps(BlockPool(1, 1, 4096))) is None
     ds = TableDataset(root, batch_size=100)
@@ -116,8 +116,8 @@ def test_direct_row_group_reads_equal_dataset_reads(root):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from gangrun.data import table_plan as plan
-    from gangrun.data.table_source import Reader
+    from gangrun.data.table import plan
+    from gangrun.data.table.source import Reader
 
     def read(ds):
         todo = plan.pieces(ds.unit_order(), ds._unit_rows, 0, ds.rows)
@@ -156,7 +156,7 @@ def test_arrow_batches_travel_as_ipc_streams_in_pool_blocks(root):
 def test_an_arrow_chunk_bigger_than_a_block_travels_pickled(root):
     import pyarrow as pa
 
-    from gangrun.data.table_wire import BlockPool, to_wire_ipc
+    from gangrun.data.table.handover import BlockPool, to_wire_ipc
 
     table = pa.table({"id": pa.array(range(1000)), "s": pa.array([f"r{i}" for i in range(1000)])})
     pool = BlockPool(1, 1, block_bytes=4096)
@@ -168,6 +168,6 @@ def test_an_arrow_chunk_bigger_than_a_block_travels_pickled(root):
 
 
 def _as_torch(col):
-    from gangrun.data.table_convert import column_to_torch
+    from gangrun.data.table.convert import column_to_torch
 
     return column_to_torch(col)

@@ -6,8 +6,8 @@ import pytest
 
 from conftest import run_python
 from gangrun import LaunchError, distributed
-from gangrun.cli import _parser, _split_run
-from gangrun.cli_options import options_from_args
+from gangrun.cli.entry import _parser, _split_run
+from gangrun.cli.options import options_from_args
 from gangrun.tracking import call_arguments
 from gangrun.tracking.plan import resolve_log_system_metrics
 

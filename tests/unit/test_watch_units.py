@@ -12,8 +12,8 @@ import types
 
 import pytest
 
-from gangrun.cli_node import CallRef, Unknown, find_calls, resolve
-from gangrun.cli_status import ClearingStream, StatusLine
+from gangrun.cli.node import CallRef, Unknown, find_calls, resolve
+from gangrun.cli.status import ClearingStream, StatusLine
 from gangrun.lifecycle import watch
 from gangrun.lifecycle.control import RECORD
 from gangrun.notebook import charts, html
@@ -154,7 +154,7 @@ def _record(tmp, name, uid=None, **rec):
 
 
 def test_find_calls_sees_only_this_users_records_and_resolve(tmp_path):
-    from gangrun.platform import process_identity
+    from gangrun.host.system import process_identity
 
     me = process_identity(os.getpid())
     _record(tmp_path, "abc123", caller=me, mlflow_run_id="f" * 32, started=1)
@@ -178,9 +178,9 @@ def test_find_calls_sees_only_this_users_records_and_resolve(tmp_path):
 def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatch, capsys):
     """Issue 31 item 1: an empty id "matched" every call without an MLflow run (its MLflow
     run id is empty); a prefix is 4+ characters and unique, or exit 2 lists the matches."""
-    from gangrun import cli
-    from gangrun.cli_node import Usage
-    from gangrun.platform import process_identity
+    from gangrun.cli import entry as cli
+    from gangrun.cli.node import Usage
+    from gangrun.host.system import process_identity
 
     me = process_identity(os.getpid())
     _record(tmp_path, "abcd12", caller=me, function="train", mlflow_run_id="", started=1)
@@ -211,9 +211,9 @@ def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatc
 def test_a_function_name_names_its_one_running_call(tmp_path, monkeypatch, capsys):
     """Issue 31 item 15: ``gangrun logs train`` (the FUNCTION column of ``gangrun ps``) names
     the one running call of ``train``; several: exit 2 listing them; ``ps --function``."""
-    from gangrun import cli
-    from gangrun.cli_node import Usage, function_names
-    from gangrun.platform import process_identity
+    from gangrun.cli import entry as cli
+    from gangrun.cli.node import Usage, function_names
+    from gangrun.host.system import process_identity
 
     assert function_names("main.<locals>.train") == {"main.<locals>.train", "train"}
     assert function_names("jobs/fit.py") == {"jobs/fit.py", "fit.py", "fit"}
@@ -247,7 +247,7 @@ def test_a_function_name_names_its_one_running_call(tmp_path, monkeypatch, capsy
 
 
 def test_stacks_and_stop_take_their_timeout_as_a_duration(capsys):
-    from gangrun import cli
+    from gangrun.cli import entry as cli
 
     for argv in (["stacks", "x", "--timeout", "soon"], ["stop", "x", "--timeout", "-1"]):
         assert cli.main(argv) == 2, argv

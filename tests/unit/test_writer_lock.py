@@ -17,7 +17,7 @@ import pytest
 
 from gangrun import LaunchError
 from gangrun.checkpoint import writer
-from gangrun.platform import process_identity
+from gangrun.host.system import process_identity
 from gangrun.rank import location
 
 
@@ -142,7 +142,7 @@ def test_one_manager_per_location_in_a_rank(tmp_path):
 
 
 def test_a_host_lock_excludes_another_holder_even_in_this_process():
-    from gangrun.hostlock import host_lock
+    from gangrun.host.lock import host_lock
 
     with (
         host_lock("mlflow-run:abc"),

@@ -17,7 +17,7 @@ one limit.
 
 A holder that died is taken over: one on this host, in this PID namespace, whose process
 (pid and start time) is gone, or one of this process whose call has ended. Taking over runs
-under this host's `gangrun.hostlock` lock, so two callers of one user never both take over
+under this host's `gangrun.host.lock` lock, so two callers of one user never both take over
 one dead holder. A holder on another host (or in another PID namespace) cannot be checked: it
 counts as live, and the error says to delete the lock file once that call is known dead.
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LaunchError
-from ..platform import process_identity
+from ..host.system import process_identity
 from ..records import pid_namespace
 
 LOCK_NAME = ".gangrun-writer"
@@ -61,7 +61,7 @@ class WriterLock:
         if self.released:
             return
         self.released = True
-        from ..hostlock import host_lock
+        from ..host.lock import host_lock
 
         fs, local = _fs(self.url, self.storage_options)
         with host_lock(f"writer:{self.path}"):
@@ -163,7 +163,7 @@ def acquire(
 
 
 def _take(fs: Any, local: bool, lock: WriterLock) -> WriterLock:
-    from ..hostlock import host_lock
+    from ..host.lock import host_lock
 
     url, path = lock.url, lock.path
     for _ in range(_TRIES):

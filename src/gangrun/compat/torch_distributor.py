@@ -76,7 +76,7 @@ class TorchDistributor:
         if isinstance(train_object, str):
             if kwargs:
                 raise LaunchError("a script takes command-line arguments (*args), not kwargs.")
-            from ..cli import ScriptTarget
+            from ..cli.entry import ScriptTarget
 
             if not train_object.endswith(".py"):
                 raise LaunchError(f"expected a path to a .py script, got {train_object!r}.")

@@ -43,10 +43,12 @@ torch):
   handed over, naming the file (and row group), the rank and the DataLoader worker;
 - ``dataset``: [`VolumeDataset`][gangrun.data.VolumeDataset];
 - ``loader``: `VolumeLoader`;
-- ``table``: `TableDataset`, batches of a Parquet or Delta Lake table (SPEC section 11),
-  built from ``table_plan`` (the split arithmetic, pure), ``table_source`` (files, schema, row
-  groups; pyarrow), ``table_delta`` (Delta snapshots; deltalake), ``table_convert`` (Arrow
-  to tensors) and ``table_wire`` (the workers' hand-over). pyarrow and deltalake are imported only by these modules.
+- ``table``: the package of `TableDataset`, batches of a Parquet or Delta Lake table (SPEC
+  section 11): ``table.dataset`` (the dataset), ``table.loader`` (`TableLoader`),
+  ``table.plan`` (the split arithmetic, pure), ``table.source`` (files, schema, row groups;
+  pyarrow), ``table.delta`` (Delta snapshots; deltalake), ``table.convert`` (Arrow to tensors)
+  and ``table.handover`` (the DataLoader workers' hand-over of batches). pyarrow and deltalake
+  are imported only by these modules.
 - ``sampler``: `DistributedSampler`, a drop-in for torch's with one global order per epoch,
   resumable at the same or another world size, and `per_rank_batch` (the global batch held).
 
@@ -67,8 +69,9 @@ if TYPE_CHECKING:
     from .loader import VolumeLoader
     from .read_errors import DataReadError
     from .sampler import DistributedSampler, per_rank_batch
-    from .table import TableDataset, TableLoader
-    from .table_source import TableError
+    from .table.dataset import TableDataset
+    from .table.loader import TableLoader
+    from .table.source import TableError
 
 _WHERE = {
     "VolumeDataset": "dataset",
@@ -77,9 +80,9 @@ _WHERE = {
     "default_cache_dir": "cache",
     "parse_size": "cache",
     "FileEntry": "listing",
-    "TableDataset": "table",
-    "TableLoader": "table",
-    "TableError": "table_source",
+    "TableDataset": "table.dataset",
+    "TableLoader": "table.loader",
+    "TableError": "table.source",
     "DataReadError": "read_errors",
     "DistributedSampler": "sampler",
     "per_rank_batch": "sampler",

@@ -1,7 +1,7 @@
 """The rest of an epoch after an interruption, continued on any number of ranks and workers.
 
 A pass of an epoch is laid out by the world that reads it (`sharding` for files,
-`table_plan` for table rows): every DataLoader worker of every rank reads its *run*, a
+`table.plan` for table rows): every DataLoader worker of every rank reads its *run*, a
 deterministic sequence of the epoch's items. A saved position is each worker's count of items
 consumed (`VolumeDataset`: ``[file position, samples of it, yielded]``; `TableDataset`:
 ``[batches, rows]``), so the items the whole world consumed, and those it did not, follow from
@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import sharding
-from . import table_plan as plan
+from .table import plan
 
 Record = dict[str, Any]
 
@@ -187,7 +187,7 @@ def _rest_files(
 
 class RowSplit:
     """The row layout of a `TableDataset`'s epoch: positions ``0..rows-1`` in the epoch's
-    unit order, each worker's run (`table_plan`), shuffled in blocks seeded by the run."""
+    unit order, each worker's run (`table.plan`), shuffled in blocks seeded by the run."""
 
     def __init__(
         self,

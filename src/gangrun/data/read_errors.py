@@ -4,7 +4,7 @@ rank and in which DataLoader worker: `DataReadError`, chained to the original er
 A corrupt Parquet data page fails deep in pyarrow with "Couldn't deserialize thrift ..." or
 "Corrupt snappy compressed data", a damaged string column only when its rows are converted,
 a cache fill with the storage's own error; none of them says which file it was. The readers
-(`table_source.Reader`, `TableDataset`'s hand-over, `prefetch.stream` for `VolumeDataset`
+(`source.Reader`, `TableDataset`'s hand-over, `prefetch.stream` for `VolumeDataset`
 and the cache fills) turn what they catch into a `DataReadError` naming it. It is an
 ``OSError``: torch's DataLoader rebuilds it in the training process from its message (which
 keeps the worker's traceback, the original error's included), and a rank's error reaches the

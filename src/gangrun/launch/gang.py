@@ -19,7 +19,7 @@ import threading
 import time
 from typing import IO, TYPE_CHECKING
 
-from .. import platform
+from ..host import system as platform
 from ..rundir import RunDir, log_path
 from . import ExitSink, GangSpec, LostRank, RankExit, RankIO, RankProcess, RankSpec, Spawner
 from .limits import check_env

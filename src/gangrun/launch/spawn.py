@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import contract
-from ..platform import signal_tree
+from ..host.system import signal_tree
 from . import GangSpec, RankIO, RankProcess, RankSpec
 
 GANGRUN_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,8 +9,9 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import diskspace, security
+from .. import security
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
+from ..host import diskspace
 from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
 from ..rundir import RunDir

@@ -1,6 +1,6 @@
 """The node's view of a call: its record in the run directory and its control socket.
 
-For ``gangrun ps / logs / stacks / stop`` in another terminal (`gangrun.cli_node`), every
+For ``gangrun ps / logs / stacks / stop`` in another terminal (`gangrun.cli.node`), every
 call of this process writes, into its private run directory (0700):
 
 ``call.json`` (0600, replaced atomically at each transition)
@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from ..platform import process_identity
+from ..host.system import process_identity
 from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
 from ..security import redact
 from .checkpoints import location
@@ -58,7 +58,8 @@ def caller_kind() -> str:
         except Exception:  # a broken IPython: not a kernel we can tell
             pass
     if os.path.basename(sys.argv[0] if sys.argv else "") == "gangrun" or (
-        "gangrun.cli" in sys.modules and getattr(sys.modules["gangrun.cli"], "RUNNING", False)
+        "gangrun.cli.entry" in sys.modules
+        and getattr(sys.modules["gangrun.cli.entry"], "RUNNING", False)
     ):
         return "gangrun run"
     return "script"

@@ -23,7 +23,7 @@ from .record import CallRecord
 from .state import Outcome, State
 
 if TYPE_CHECKING:
-    from ..accelerators import Accelerator
+    from ..host.accelerators import Accelerator
     from ..launch import Gang
     from ..progress_view import Progress
     from ..tracking.caller import Tracker

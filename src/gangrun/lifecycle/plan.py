@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import contract
-from ..accelerators import Accelerator
 from ..errors import LaunchError
+from ..host.accelerators import Accelerator
+from ..host.system import cpu_count, free_port, process_identity
 from ..launch import RankSpec
 from ..options import Options
-from ..platform import cpu_count, free_port, process_identity
 from ..records import RankContext, pid_namespace
 
 
@@ -46,7 +46,7 @@ def function_name(fn: Callable[..., Any]) -> str:
 def check_gpu_type(pool: Sequence[Accelerator], gpu_type: str | None) -> None:
     if gpu_type is None:
         return
-    from .. import accelerators
+    from ..host import accelerators
 
     if not pool:
         raise LaunchError(
@@ -73,7 +73,7 @@ def plan_local(fn: Callable[..., Any], opts: Options) -> Plan:
     if opts.processes is not None and opts.gpu_type is None:
         plan.world_size = opts.processes
         return plan
-    from .. import accelerators
+    from ..host import accelerators
 
     devs = accelerators.detect()
     if opts.processes is not None:  # gpu_type given in CPU mode: still check what is attached

@@ -52,7 +52,7 @@ _FORWARD_PREFIXES = (
 
 
 def _type_matches(ray_type: str, want: str) -> bool:
-    from .. import accelerators
+    from ..host import accelerators
 
     # Ray's names look like "H100", "A10G", "NVIDIA_H100-80GB"...
     return accelerators.matches_type(ray_type.replace("_", " "), want)

@@ -56,9 +56,9 @@ from .state import (
 from .watch import watching
 
 if TYPE_CHECKING:
-    from ..accelerators import Accelerator
+    from ..host.accelerators import Accelerator
+    from ..host.reservation import Reservation
     from ..output import OutputPump
-    from ..reservation import Reservation
     from ..tracking.caller import Tracker
 
 log = logging.getLogger("gangrun.lifecycle.supervisor")
@@ -261,7 +261,7 @@ class Supervisor:
         self._observers.on_plan(self)  # e.g. the panel: "starting N ranks..."
         self._context = rank_context(opts)
         if call.plan.gpus_wanted:
-            from ..reservation import reserve_wanted
+            from ..host.reservation import reserve_wanted
 
             plan = call.plan
             self._reservation = reserve_wanted(plan.devices, plan.gpus_wanted, opts.gpu_wait)

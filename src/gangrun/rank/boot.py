@@ -8,7 +8,7 @@ gangrun's exit path (issue 12, item 10). C stdio is flushed on that path too (it
 
 from __future__ import annotations
 
-from .. import platform
+from ..host import system as platform
 
 
 def _end_descendants() -> None:

@@ -55,7 +55,7 @@ def deepspeed_setup(*, shm_comm: bool = False) -> str:
     """Prepare this rank for DeepSpeed; returns the accelerator name (``"cuda"``/``"cpu"``).
 
     - sets ``LOCAL_SIZE``/``CROSS_RANK``/``CROSS_SIZE`` from the torchrun variables;
-    - sets ``DS_ACCELERATOR`` to ``cuda`` or ``cpu`` (matching [`gangrun.device`][gangrun.accelerators.device])
+    - sets ``DS_ACCELERATOR`` to ``cuda`` or ``cpu`` (matching [`gangrun.device`][gangrun.host.accelerators.device])
       unless the user chose one, so DeepSpeed neither guesses nor warns;
     - on CPU, unless ``shm_comm=True``, stops DeepSpeed from JIT-compiling its shared-memory
       all-reduce op (``deepspeed_shm_comm``, ~20 s with gcc+ninja on first use, cached in

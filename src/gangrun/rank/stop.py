@@ -67,7 +67,7 @@ def request() -> None:
 def _die_now() -> None:
     # Default disposition at the C level (signal.signal works only on the main thread),
     # then the same signal again: the rank ends as an unhandled SIGTERM would end it.
-    from ..platform import load_libc
+    from ..host.system import load_libc
 
     libc = load_libc()
     if libc is not None:

@@ -23,7 +23,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from .. import contract, platform
+from .. import contract
+from ..host import system as platform
 from ..records import ErrorRecord, RankContext, user_frame
 from ..rundir import RunDir
 
@@ -164,7 +165,8 @@ def error_record(
 def _write_error(run_dir: str, rank: int, record: ErrorRecord) -> None:
     from dataclasses import replace
 
-    from .. import diskspace, serialization
+    from .. import serialization
+    from ..host import diskspace
 
     path = error_path(run_dir, rank)
     try:
@@ -258,7 +260,7 @@ def run_rank(run_dir: str, rank: int) -> int:
     try:
         serialization.atomic_dump(result, result_path(run_dir, rank))
     except BaseException as exc:
-        from .. import diskspace
+        from ..host import diskspace
 
         if diskspace.is_full(exc):  # the run directory's disk, not the value
             return _result_not_written(run_dir, rank, exc)
@@ -283,7 +285,7 @@ def _result_not_written(run_dir: str, rank: int, exc: BaseException) -> int:
     so, names the directory, and keeps the ``OSError`` as its cause."""
     from dataclasses import replace
 
-    from .. import diskspace
+    from ..host import diskspace
 
     msg = f"rank {rank} " + diskspace.full_message("its result", run_dir, exc)
     try:

@@ -10,13 +10,13 @@ log the same steps into one run and the second would end it under the first.
 
 * the run is no longer ``RUNNING``: the tag is stale;
 * the holder ran on this host, in this PID namespace: it is live while its process (pid and
-  start time, `gangrun.platform.process_identity`) exists, and, when that process is
+  start time, `gangrun.host.system.process_identity`) exists, and, when that process is
   this one, while the call named in the tag has not finished here;
 * another host: it cannot be checked from here, so it counts as live; the message says how to
   take the run over when that call is known to be dead.
 
 Taking the run (`take`: check, write the tag, read it back) runs under `exclusive`, a lock of
-this host (`gangrun.hostlock`), together with the run's return to ``RUNNING``: two calls of
+this host (`gangrun.host.lock`), together with the run's return to ``RUNNING``: two calls of
 one user on one host never both take a run, however close together they resume it. Calls on
 two hosts are told apart by the read-back alone (the tag is then another call's: refused);
 two that write and read back in the same instant on two hosts can still both take it. A
@@ -34,7 +34,7 @@ import threading
 from typing import Any
 
 from ..errors import LaunchError
-from ..platform import process_identity
+from ..host.system import process_identity
 from ..records import pid_namespace
 
 TAG_LEASE = "gangrun.lease"
@@ -90,7 +90,7 @@ def holder(run: Any) -> dict[str, Any] | None:
 
 def exclusive(run_id: str) -> contextlib.AbstractContextManager[None]:
     """The section of this host in which run ``run_id`` is taken (see the module)."""
-    from ..hostlock import host_lock
+    from ..host.lock import host_lock
 
     return host_lock(f"mlflow-run:{run_id}")
 

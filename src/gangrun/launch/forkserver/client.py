@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ... import contract, platform
+from ... import contract
+from ...host import system as platform
 from ...options import ForkServerOptions, setting
 from ...rank.forkchild import pad_value
 from . import protocol as p

@@ -28,7 +28,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from ... import platform
+from ...host import system as platform
 from ..spawn import close_fds
 from . import protocol as p
 

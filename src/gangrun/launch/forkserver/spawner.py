@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ...exitcodes import signal_name
-from ...platform import signal_tree, wait_gone
+from ...host.system import signal_tree, wait_gone
 from .. import GangSpec, LostRank, RankIO, RankProcess, RankSpec
 from ..spawn import close_fds, close_write_ends
 from . import protocol as p

@@ -32,7 +32,8 @@ import threading
 import time
 from typing import IO
 
-from ... import contract, platform
+from ... import contract
+from ...host import system as platform
 from ...rundir import CONTEXT, PAYLOAD, RunDir
 from .records import ActorContext, NodeInfo, Polled, RankOutputs, Started
 from .ship import caller_paths_only, remote_paths, sees_caller_files
@@ -142,7 +143,7 @@ class RankActor:
     def node_info(self) -> NodeInfo:
         import ray
 
-        from gangrun import accelerators
+        from gangrun.host import accelerators
 
         ctx = ray.get_runtime_context()
         gpu_ids = [str(g) for g in ray.get_gpu_ids()]

@@ -87,7 +87,7 @@ def reserve(ray: Any, placement: RayPlacement, n: int) -> Any:
 def check_gpu_type(want: str | None, nodes: dict[int, NodeInfo]) -> None:
     if not want:
         return
-    from ... import accelerators
+    from ...host import accelerators
 
     for r, info in nodes.items():
         for name in info.gpu_names:

@@ -1,10 +1,10 @@
 """`TableDataset`: batches of a Parquet or Delta Lake table, split exactly across ranks
 and DataLoader workers, shuffled per epoch, streamed through the node's cache, resumable.
 
-The split arithmetic is `table_plan` (pure); what the table is made of and how a row
-group is read is `table_source` (and `table_delta` for Delta snapshots); turning
-Arrow batches into tensors is `table_convert`, handing them over from DataLoader workers
-`table_wire`. The resume API is the one
+The split arithmetic is `table.plan` (pure); what the table is made of and how a row
+group is read is `table.source` (and `table.delta` for Delta snapshots); turning
+Arrow batches into tensors is `table.convert`, handing them over from DataLoader workers
+`table.handover`. The resume API is the one
 [`VolumeDataset`][gangrun.data.VolumeDataset] has, so `VolumeLoader` and
 ``gangrun.checkpoint`` treat both alike.
 """
@@ -19,27 +19,19 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
-from . import elastic
-from . import table_plan as plan
-from .cache import parse_size
-from .listing import LOCAL_PROTOCOLS
-from .loader import keep_workers_by_default
-from .read_errors import place, read_error
-from .resumable import ResumableEpochs
-from .table_convert import OUTPUTS, as_record_batch, convert
-from .table_delta import resolve
-from .table_loader import TableLoader
-from .table_loader import identity as _identity
-from .table_source import (
-    READ_ERRORS,
-    FileAccess,
-    Reader,
-    TableError,
-    expression,
-    fingerprint,
-    plan_units,
-)
-from .table_wire import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, to_wire, to_wire_ipc
+from .. import elastic
+from ..cache import parse_size
+from ..listing import LOCAL_PROTOCOLS
+from ..loader import keep_workers_by_default
+from ..read_errors import place, read_error
+from ..resumable import ResumableEpochs
+from . import plan
+from .convert import OUTPUTS, as_record_batch, convert
+from .delta import resolve
+from .handover import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, to_wire, to_wire_ipc
+from .loader import TableLoader
+from .loader import identity as _identity
+from .source import READ_ERRORS, FileAccess, Reader, TableError, expression, fingerprint, plan_units
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -66,7 +66,7 @@ class CallRef:
 
 
 def _read_record(run_dir: str, uid: int) -> dict[str, Any] | None:
-    from .rundir import RunDir
+    from ..rundir import RunDir
 
     try:
         fd = os.open(RunDir(run_dir).call_record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -86,7 +86,7 @@ def _read_record(run_dir: str, uid: int) -> dict[str, Any] | None:
 
 def find_calls(tmp: str | None = None) -> list[CallRef]:
     """This uid's calls with a run directory in the temp dir, oldest first."""
-    from .platform import own_dirs, process_identity
+    from ..host.system import own_dirs, process_identity
 
     uid = os.getuid()
     out: list[CallRef] = []
@@ -169,7 +169,7 @@ def resolve(run: str, calls: list[CallRef]) -> CallRef:
 
 def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One request on the call's control socket; its answer."""
-    from .rundir import RunDir
+    from ..rundir import RunDir
 
     path = RunDir(c.run_dir).control_socket
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -198,7 +198,7 @@ def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _elapsed(s: float) -> str:
-    from .progress_view import fmt_duration
+    from ..progress_view import fmt_duration
 
     return fmt_duration(s)
 
@@ -251,7 +251,7 @@ def cmd_ps(ns: argparse.Namespace) -> int:
 
 
 def _log_files(c: CallRef, rank: int | None) -> dict[int, str]:
-    from .rundir import log_path
+    from ..rundir import log_path
 
     n = int(c.rec.get("world_size") or 0)
     log_dir = str(c.rec.get("log_dir") or os.path.join(c.run_dir, "logs"))
@@ -306,7 +306,7 @@ def cmd_logs(ns: argparse.Namespace, c: CallRef) -> int:
 
 
 def _still_running(c: CallRef) -> bool:
-    from .platform import process_identity
+    from ..host.system import process_identity
 
     rec = _read_record(c.run_dir, os.getuid())
     if rec is None:
@@ -345,7 +345,7 @@ def cmd_stop(ns: argparse.Namespace, c: CallRef) -> int:
 def _duration(text: str) -> float:
     """``--timeout`` of stacks and stop: a duration as every gangrun channel takes it
     (``5``, ``2s``, ``1m``), more than 0 and at most `MAX_TIMEOUT_S`."""
-    from .durations import parse_duration
+    from ..durations import parse_duration
 
     try:
         wait = parse_duration(text)
@@ -390,7 +390,7 @@ def add_node_commands(sub: Any) -> None:
 
 
 def run_node_command(ns: argparse.Namespace) -> int:
-    from .cli_support import to_a_pipe
+    from .support import to_a_pipe
 
     return to_a_pipe(_dispatch, ns)  # `gangrun logs RUN | head`
 

@@ -1,7 +1,7 @@
 """What a table is made of (its files, schema and row groups), and reading one row group.
 
 `resolve` turns a source into a `TableFiles`: the sorted Parquet files of a path,
-glob or URL, or the file list of a Delta snapshot (`table_delta`, never a directory
+glob or URL, or the file list of a Delta snapshot (`table.delta`, never a directory
 listing). `plan_units` reads every file's footer, checks the schemas, and lists the row
 groups with their row counts (after the filter, when there is one). `FileAccess` opens a
 file for reading: local files and cached copies of remote ones are memory-mapped, remote files
@@ -24,9 +24,9 @@ import pyarrow as pa
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 
-from .cache import FileCache
-from .listing import GLOB_CHARS, LOCAL_PROTOCOLS, FileEntry, list_files
-from .read_errors import DataReadError, place, read_error
+from ..cache import FileCache
+from ..listing import GLOB_CHARS, LOCAL_PROTOCOLS, FileEntry, list_files
+from ..read_errors import DataReadError, place, read_error
 
 Unit = tuple[int, int, int]  # (file index, row group index, rows)
 _FORMAT = pds.ParquetFileFormat()
@@ -346,7 +346,7 @@ class Reader:
 
     def __init__(self, ds: Any, todo: list[Any], threads: bool) -> None:
         self.ds = ds  # a TableDataset
-        self.todo = todo  # table_plan.Piece list
+        self.todo = todo  # plan.Piece list
         self.access = ds.file_access
         self.threads = threads
         uses: list[int] = []
@@ -357,7 +357,7 @@ class Reader:
         self._paths: Iterator[Any] | None = None
         self.rank = ds.rank_world()[0]
         if not self.access.local and self.access.cached and uses:
-            from .prefetch import stream
+            from ..prefetch import stream
 
             entries = [ds.table.files[f] for f in uses]
             access = self.access

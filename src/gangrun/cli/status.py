@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .api import RunHandle
+    from ..api import RunHandle
 
 CLEAR = "\r\x1b[K"
 REFRESH_S = 1.0
@@ -48,7 +48,7 @@ class StatusLine:
 
     def follow(self, handle: RunHandle[Any]) -> None:
         """Redraw from ``handle.progress()`` until `close`."""
-        from .progress_view import summary_line
+        from ..progress_view import summary_line
 
         def loop() -> None:
             while not self._stop.wait(REFRESH_S):

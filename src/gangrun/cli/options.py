@@ -11,7 +11,7 @@ import argparse
 import re
 from typing import Any
 
-from . import defaults as _defaults
+from .. import defaults as _defaults
 
 # Options whose flags sit in the "MLflow" group of the help (docs/tracking.md).
 TRACKING_OPTIONS = ("experiment_name", "run_name", "run_id", "tags")
@@ -106,7 +106,7 @@ def options_from_args(ns: argparse.Namespace) -> dict[str, Any]:
     for name in _PAIRS:
         if name in given:
             given[name] = dict(given[name])
-    from .options import ForkServerOptions, RayOptions
+    from ..options import ForkServerOptions, RayOptions
 
     for name, group in (("ray", RayOptions), ("forkserver", ForkServerOptions)):
         if name in given:  # --ray JSON, --forkserver JSON: an option group
@@ -117,7 +117,7 @@ def options_from_args(ns: argparse.Namespace) -> dict[str, Any]:
 def _defaults_fields() -> list[str]:
     import dataclasses
 
-    from .options import Options
+    from ..options import Options
 
     return [f.name for f in dataclasses.fields(Options)]
 

@@ -132,7 +132,7 @@ def select_devices(devices: Sequence[Accelerator], want: int | Sequence[int]) ->
     ``nvidia-smi`` and ``CUDA_VISIBLE_DEVICES`` number them): exactly those, in that order.
     Raises [`gangrun.LaunchError`][gangrun.errors.LaunchError] naming the visible devices when one is absent.
     """
-    from .errors import LaunchError
+    from ..errors import LaunchError
 
     visible = ", ".join(f"{d.index} ({d.name})" for d in devices) or "none"
     if isinstance(want, int):
@@ -292,7 +292,7 @@ def device() -> Any:
 
 
 def backend() -> str:
-    """The process-group backend matching [`device`][gangrun.accelerators.device]: ``"nccl"`` with CUDA, else ``"gloo"``."""
+    """The process-group backend matching [`device`][gangrun.host.accelerators.device]: ``"nccl"`` with CUDA, else ``"gloo"``."""
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"

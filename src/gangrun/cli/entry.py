@@ -31,8 +31,8 @@ import signal
 import sys
 from typing import Any
 
-from . import contract
-from .cli_support import (
+from .. import contract
+from .support import (
     module_file,
     option_rows,
     print_rows,
@@ -91,7 +91,7 @@ class ScriptTarget:
 
 def exit_code_for(err: BaseException) -> int:
     """The process exit status that reflects a failed call's root cause."""
-    from .errors import (
+    from ..errors import (
         DistributedCancelledError,
         DistributedError,
         DistributedTimeoutError,
@@ -114,8 +114,8 @@ def exit_code_for(err: BaseException) -> int:
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
     """(top level, ``run``, ``info``) parsers."""
-    from . import __version__
-    from .cli_options import add_option_flags
+    from .. import __version__
+    from .options import add_option_flags
 
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -159,10 +159,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         action="store_true",
         help=f"exit 1 when a {contract.PREFIX}* variable is rejected (its value cannot be used)",
     )
-    from .cli_node import add_node_commands
+    from .node import add_node_commands
 
     add_node_commands(sub)  # ps, logs, stacks, stop: this user's calls on this node
-    from .cli_checkpoints import add_checkpoints_command
+    from .checkpoints import add_checkpoints_command
 
     add_checkpoints_command(sub)  # a checkpoint location's checkpoints, verified
     return p, run, info
@@ -210,10 +210,10 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None = None) -> int:
-    from . import defaults as _defaults
-    from .api import DistributedFunction, Options
-    from .cli_options import options_from_args, speak_cli
-    from .errors import DistributedError
+    from .. import defaults as _defaults
+    from ..api import DistributedFunction, Options
+    from ..errors import DistributedError
+    from .options import options_from_args, speak_cli
 
     def usage_error(message: str) -> int:
         if run_parser is None:
@@ -247,7 +247,7 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
     global RUNNING
     RUNNING = True
     try:
-        from .cli_status import start
+        from .status import start
 
         handle, status = start(fn.submit)  # a status line with the progress on a terminal
         handle.result()
@@ -298,12 +298,13 @@ def cmd_info(ns: argparse.Namespace) -> int:
     import dataclasses
     import getpass
 
-    from . import __version__, accelerators
-    from . import defaults as _defaults
-    from .cli_options import options_from_args, speak_cli
-    from .errors import DistributedError
-    from .lifecycle.plan import plan_local, rank_specs
-    from .security import redact
+    from .. import __version__
+    from .. import defaults as _defaults
+    from ..errors import DistributedError
+    from ..host import accelerators
+    from ..lifecycle.plan import plan_local, rank_specs
+    from ..security import redact
+    from .options import options_from_args, speak_cli
 
     devs = accelerators.detect()
     usage = accelerators.gpu_usage() if devs else None
@@ -458,11 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.cmd == "run":  # pragma: no cover - handled above
             return cmd_run(ns, run_parser)
         if ns.cmd == "checkpoints":
-            from .cli_checkpoints import cmd_checkpoints
+            from .checkpoints import cmd_checkpoints
 
             return cmd_checkpoints(ns)
         if ns.cmd != "info":
-            from .cli_node import run_node_command
+            from .node import run_node_command
 
             return run_node_command(ns)
         return cmd_info(ns)

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 BUCKETS = 64
 _POLL_S = 0.01

@@ -62,13 +62,13 @@ def _state(r: Any) -> str:
 
 
 def cmd_checkpoints(ns: argparse.Namespace) -> int:
-    from .cli_support import to_a_pipe
+    from .support import to_a_pipe
 
     return to_a_pipe(_list, ns)  # `gangrun checkpoints URL | head`
 
 
 def _list(ns: argparse.Namespace) -> int:
-    from .checkpoint import filesystem, scan
+    from ..checkpoint import filesystem, scan
 
     try:
         fs, root = filesystem(ns.url)
@@ -99,7 +99,7 @@ def _list(ns: argparse.Namespace) -> int:
 
 def _holder_line(url: str) -> str:
     """Who writes to the location now (its one writer: `gangrun.checkpoint.writer`)."""
-    from .checkpoint.writer import holder
+    from ..checkpoint.writer import holder
 
     try:
         rec = holder(url)

@@ -154,7 +154,7 @@ def _jsonable(value: Any) -> Any:
 def setting_rows() -> dict[str, dict[str, Any]]:
     """The caller's process settings (`gangrun.contract.SETTINGS`): the value in force and
     its source; a variable whose value was rejected also has ``rejected`` (value, why)."""
-    from . import settings
+    from .. import settings
 
     return {var: s.row() for var, s in settings.read_all().items()}
 

@@ -1,6 +1,6 @@
 """`TableLoader`: the DataLoader of [`TableDataset.loader`][gangrun.data.TableDataset.loader].
 
-Its workers hand batches over in chunks of several (`table_wire`); the loader hands them
+Its workers hand batches over in chunks of several (`table.handover`); the loader hands them
 to the training loop one batch at a time, round-robin over the workers, recording each
 worker's progress as it goes, so `TableDataset.state_dict()` is exact at any batch.
 """
@@ -12,9 +12,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from . import table_plan as plan
-from .loader import VolumeLoader
-from .table_wire import BlockPool, WireChunk
+from ..loader import VolumeLoader
+from . import plan
+from .handover import BlockPool, WireChunk
 
 
 def identity(x: Any) -> Any:
@@ -24,7 +24,7 @@ def identity(x: Any) -> Any:
 
 class _WireView:
     """The dataset as `TableLoader`'s workers see it: batches travel in chunks
-    (``output="torch"``: plain arrays, ``"arrow"``: an Arrow IPC stream; see `table_wire`)."""
+    (``output="torch"``: plain arrays, ``"arrow"``: an Arrow IPC stream; see `table.handover`)."""
 
     def __init__(self, ds: Any) -> None:
         self.ds = ds
@@ -62,7 +62,7 @@ class _WireView:
 class TableLoader(VolumeLoader):
     """The loader of `TableDataset.loader`: a `VolumeLoader` whose
     workers hand batches over in chunks of several (``output="torch"`` or ``"arrow"``
-    without a ``transform``; see `table_wire`): the hand-over costs about the same per item whatever
+    without a ``transform``; see `table.handover`): the hand-over costs about the same per item whatever
     its size, and the columns travel through shared memory blocks the dataset keeps. Each
     batch of a chunk is handed to the training loop, and its progress recorded, in turn."""
 

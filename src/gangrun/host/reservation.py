@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 POLL_S = 0.1
 # flock is per open file description: two threads of one caller opening the same file get two
@@ -33,7 +33,7 @@ _pick_lock = threading.Lock()
 
 def lock_dir(name: str = "gangrun-gpus") -> str:
     """The private directory holding this user's GPU lock files (created 0700, verified);
-    ``name``: another such directory (`gangrun.hostlock`)."""
+    ``name``: another such directory (`gangrun.host.lock`)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
         path = os.path.join(runtime, name)

@@ -18,8 +18,8 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .listing import FileEntry
-from .table_source import TableError, TableFiles, fs_path, is_delta_dir, parquet_files
+from ..listing import FileEntry
+from .source import TableError, TableFiles, fs_path, is_delta_dir, parquet_files
 
 #: Delta reader features whose tables this reader reads correctly.
 SUPPORTED_READER_FEATURES = frozenset(

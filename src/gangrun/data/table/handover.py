@@ -17,7 +17,7 @@ The chunk's columns travel, cheapest first:
   shared memory segment (large chunks) or pickled through the DataLoader's pipe (small ones).
 
 Strings, nested columns and columns with nulls travel as Python lists (see
-`table_convert.column_array`). For ``output="arrow"`` (`to_wire_ipc`) the chunk is the
+`table.convert.column_array`). For ``output="arrow"`` (`to_wire_ipc`) the chunk is the
 batches' Arrow IPC stream, written straight into the block (every type, nulls included);
 the training process reads the record batches from the block without a copy.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .table_convert import as_tensors, column_array
+from .convert import as_tensors, column_array
 
 #: A DataLoader worker hands batches over in chunks of at most about this many bytes (a
 #: bigger batch travels alone) or ``CHUNK_BATCHES`` batches.
@@ -336,7 +336,7 @@ def to_wire_ipc(
     """A worker's chunk of the batches ``group`` for ``output="arrow"``: their Arrow IPC
     stream written into a free block of ``pool``, else (no block free, too big) the record
     batches themselves, pickled through the DataLoader's pipe."""
-    from .table_convert import as_record_batch, compact
+    from .convert import as_record_batch, compact
 
     batches = [as_record_batch(t) for t in group]
     sizes = [b.num_rows for b in batches]

@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Any
 
-from . import contract
+from .. import contract
 
-log = logging.getLogger("gangrun.platform")
+log = logging.getLogger("gangrun.host.system")
 
 
 def cpu_count() -> int:
