@@ -99,6 +99,11 @@ def _protocol(fs: Any) -> str:
     return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
+def is_local(fs: Any) -> bool:
+    """``fs`` (an fsspec filesystem) is this machine's own."""
+    return _protocol(fs) in _LOCAL
+
+
 def natural_key(s: str) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
@@ -145,7 +150,7 @@ def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> lis
 
 def public_path(fs: Any, src: str, path: str) -> str:
     """``path`` (fsspec's, without protocol) as the user named its location ``src``."""
-    if "://" in src or _protocol(fs) not in _LOCAL:
+    if "://" in src or not is_local(fs):
         return str(fs.unstrip_protocol(path))
     return path
 

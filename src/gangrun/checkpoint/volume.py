@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from .._compat_imports import TORCH_SUPPORTED, private_import
 from . import (
-    _LOCAL,
     MARKER,
     DamagedCheckpointError,
     IncompleteCheckpointError,
-    _protocol,
     filesystem,
     is_complete,
+    is_local,
 )
 from . import integrity as _i
 from . import manifest as _v
@@ -60,7 +59,7 @@ class VolumeWriter(FsspecWriter):
         url = os.fspath(url)
         fs, _ = filesystem(url, storage_options)
         if sync_files is None:
-            sync_files = _protocol(fs) in _LOCAL
+            sync_files = is_local(fs)
         super().__init__(
             url,
             sync_files=sync_files,
