@@ -48,6 +48,7 @@ def test_checkpoint_uses_the_guard(monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.delitem(sys.modules, "gangrun.checkpoint.volume", raising=False)
     monkeypatch.delitem(vars(checkpoint), "VolumeWriter", raising=False)
+    monkeypatch.delattr(checkpoint, "volume", raising=False)  # the submodule, once imported
     fake = types.ModuleType(PRIVATE)
     fake.FsspecReader = object  # type: ignore[attr-defined]  # FsspecWriter moved away
     monkeypatch.setitem(sys.modules, PRIVATE, fake)
