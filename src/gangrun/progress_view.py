@@ -30,7 +30,8 @@ class Progress:
     total: int | None = None
     rate: float | None = None
     eta_s: float | None = None
-    resumed_from: int | None = None
+    resumed_from: int | None = None  # the step this attempt's restore resumed at
+    resumed_world: int | None = None  # the ranks that saved it, when another number
     ranks: dict[int, RankProgress] = field(default_factory=dict)
 
     @property

@@ -128,4 +128,4 @@ def test_a_tracking_error_does_not_stop_the_training_and_keeps_the_metrics(
     for step in ckpt.steps(5):
         ckpt.log_metrics({"loss": float(step)}, step)
     assert "could not log" in capfd.readouterr().err
-    assert sorted(s for s, _, _ in ckpt._metrics) == [0, 1, 2, 3, 4]  # kept, not lost
+    assert sorted(s for s, _, _ in ckpt._step_metrics.buffered) == [0, 1, 2, 3, 4]  # kept

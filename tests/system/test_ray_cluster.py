@@ -100,10 +100,20 @@ def _earlier_cell_function():
     return ns["f"]
 
 
-def test_project_modules_and_data_reach_both_nodes(cluster, project):
-    from gangrun.launch.ray import ship
+def _sent(caplog) -> list[str]:
+    """The packages the calls so far sent to the cluster (what `ship.upload` says it
+    shipped, on gangrun's Ray logger)."""
+    return [
+        str(r.args[1])
+        for r in caplog.records
+        if r.name == "gangrun.launch.ray" and r.msg.startswith("shipped ") and r.args
+    ]
 
-    before = list(ship.uploads)
+
+def test_project_modules_and_data_reach_both_nodes(cluster, project, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gangrun.launch.ray")
     fn = distributed(**_opts(cluster))(uses_project)
     out = fn.distributed()
     assert out[0]["node"] != out[1]["node"]  # really on the two raylets
@@ -118,13 +128,13 @@ def test_project_modules_and_data_reach_both_nodes(cluster, project):
     assert (project / f"written.{here}").exists()
     assert not (project / f"written.{there}").exists()
     (project / f"written.{here}").unlink()  # the project is as it was before the call again
-    first = ship.uploads[len(before) :]
+    first = _sent(caplog)
     assert len(first) == 2, first  # the project, and the directory of this test module
 
     f = _earlier_cell_function()
     assert distributed(**_opts(cluster))(f).distributed(21) == [42, 42]
     # an unchanged project is not uploaded again: the second call uploaded nothing
-    assert ship.uploads[len(before) :] == first
+    assert _sent(caplog) == first
     assert len(set(first)) == len(first)
 
 

@@ -16,6 +16,7 @@ from gangrun import checks
 from gangrun.errors import DistributedError, LaunchError
 from gangrun.notebook import html, routing
 from gangrun.notebook.state import CallState, RankState
+from gangrun.progress_view import Progress
 from gangrun.rank import source
 
 
@@ -178,36 +179,62 @@ def test_panel_html_escapes_and_holds_rows_and_chart():
     assert html.svg_chart({}) == ""
 
 
+def _watched(run_dir, world_size):
+    """The call's one reader of the step reports (`gangrun.lifecycle.watch.Watch`), as the
+    panel reads it."""
+    from gangrun.lifecycle.watch import Watch
+
+    run = types.SimpleNamespace(
+        call=types.SimpleNamespace(world_size=world_size),
+        run_dir=str(run_dir),
+        log_dir=str(run_dir),
+        gang=None,
+        state=None,
+    )
+    return Watch(run)  # type: ignore[arg-type]
+
+
 def test_panel_shows_the_attempt_and_the_resumed_step(tmp_path):
     import os
     import time
 
-    from gangrun.notebook.resumed import ResumeWatch
-
     st = CallState(_call(max_restarts=3))
     st.starting()
     st.attempt_started(1)
-    run = types.SimpleNamespace(run_dir=str(tmp_path), world_size=2)
-    watch = ResumeWatch(st, run)
-    watch.poll()  # nothing reported yet
-    out = html.render_panel(st.snapshot)
-    assert "attempt 2/4" in out and "resumed from" not in out
+    watch = _watched(tmp_path, 2)
+    out = html.render_panel(st.snapshot, progress=watch.progress(fresh=True))
+    assert "attempt 2/4" in out and "resumed from" not in out  # nothing reported yet
     now = time.time()  # what progress.report_resumed(1200) leaves in progress.<rank>
     for r in (0, 1):
         line = f"1200 -1 1200 1200 {now:.6f} {now:.6f}".ljust(95) + "\n"
         with open(os.path.join(tmp_path, f"progress.{r}"), "w") as f:
             f.write(line)
-    watch.poll()
-    assert st.snapshot.resumed_from == 1200
-    assert "attempt 2/4, resumed from step 1200" in html.render_panel(st.snapshot)
-    st.attempt_started(2)  # the next attempt: not resumed until it reports
-    assert st.snapshot.resumed_from is None
+    p = watch.progress(fresh=True)
+    assert p.resumed_from == 1200
+    assert "attempt 2/4, resumed from step 1200" in html.render_panel(st.snapshot, progress=p)
     solo = CallState(_call(run_id="r2", world_size=1))
     solo.starting()
     solo.attempt_started(0)
-    solo.resumed(7)
-    assert " · resumed from step 7" in html.render_panel(solo.snapshot)
-    assert "attempt" not in html.render_panel(solo.snapshot)
+    resumed = Progress(step=7, resumed_from=7)
+    assert " · resumed from step 7" in html.render_panel(solo.snapshot, progress=resumed)
+    assert "attempt" not in html.render_panel(solo.snapshot, progress=resumed)
+
+
+def test_the_panel_reads_the_step_reports_on_one_thread_only():
+    # the resumed step comes from the call's Watch, which the panel's own thread reads: a
+    # call watched in a kernel starts one polling thread (the panel's), not one per number
+    import ast
+    from pathlib import Path
+
+    import gangrun.notebook
+
+    made = []
+    for path in sorted(Path(gangrun.notebook.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "threading.Thread":
+                made.append(path.name)
+    # panel.py: the redraws; warm.py: the fork server's prewarm (not per call)
+    assert sorted(made) == ["panel.py", "warm.py"]
 
 
 def test_error_html_root_cause_first_others_folded():
@@ -301,8 +328,6 @@ def test_panel_says_a_resume_onto_another_number_of_ranks(tmp_path):
     # reaches the panel line: "resumed from step 12 saved by 2 ranks onto 3"
     import subprocess
 
-    from gangrun.notebook.resumed import ResumeWatch
-
     code = (
         "import sys; from gangrun.rank import progress\n"
         "progress.bind(sys.argv[1], int(sys.argv[2]))\n"
@@ -313,6 +338,8 @@ def test_panel_says_a_resume_onto_another_number_of_ranks(tmp_path):
     st = CallState(_call(world_size=3))
     st.starting()
     st.attempt_started(0)
-    ResumeWatch(st, types.SimpleNamespace(run_dir=str(tmp_path), world_size=3)).poll()
-    assert st.snapshot.resumed_world == 2
-    assert "resumed from step 12 saved by 2 ranks onto 3" in html.render_panel(st.snapshot)
+    p = _watched(tmp_path, 3).progress(fresh=True)
+    assert (p.resumed_from, p.resumed_world) == (12, 2)
+    assert "resumed from step 12 saved by 2 ranks onto 3" in html.render_panel(
+        st.snapshot, progress=p
+    )

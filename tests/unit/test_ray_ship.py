@@ -11,7 +11,7 @@ import pytest
 
 from gangrun import LaunchError
 from gangrun.launch.ray import diagnose, ship, versions
-from gangrun.launch.ray.records import NodeInfo
+from gangrun.launch.ray.records import ActorContext, FilesIdentity, NodeInfo, ShipMap
 from gangrun.records import ErrorRecord
 
 
@@ -74,10 +74,9 @@ def test_module_roots_are_local_paths_of_the_modules_only(tmp_path, monkeypatch)
 
 
 def test_remote_paths_map_the_caller_paths_into_the_copies():
-    ctx = {
-        "cwd": "/home/me/proj",
-        "roots": {"/home/me/proj": "_ray_pkg_grA", "/opt/lib": "_ray_pkg_grB"},
-    }
+    ctx = ShipMap(
+        "/home/me/proj", (("/home/me/proj", "_ray_pkg_grA"), ("/opt/lib", "_ray_pkg_grB"))
+    )
     node = ["/x/_ray_pkg_grA", "/y/_ray_pkg_grB", "/usr/lib/python3.11"]
     cwd, paths = ship.remote_paths(ctx, ["", "/home/me/proj/src", "/opt/lib", "/elsewhere"], node)
     assert cwd == "/x/_ray_pkg_grA"
@@ -137,3 +136,24 @@ def test_missing_file_on_a_node_names_it_and_the_fix(tmp_path):
         ErrorRecord(1, "ValueError", "bad", "tb", 0.0), info, manifest, True, "/", "/r"
     )
     assert other.message.startswith("bad\n(rank 1 ran on node 10.0.0.7")
+
+
+def test_the_actor_context_is_records_all_the_way(tmp_path):
+    import dataclasses
+
+    from gangrun.records import RankContext
+
+    fields = {f.name: f.type for f in dataclasses.fields(ActorContext)}
+    assert not [n for n, t in fields.items() if "dict" in str(t)], fields
+    mine = ship.files_identity(str(tmp_path))
+    assert isinstance(mine, FilesIdentity) and mine.ino == os.stat(tmp_path).st_ino
+    assert ship.sees_caller_files(mine, str(tmp_path))
+    assert not ship.sees_caller_files(mine, str(tmp_path.parent))
+    gone = ship.files_identity(str(tmp_path / "absent"))
+    assert gone.ino == -1 and not ship.sees_caller_files(gone, str(tmp_path / "absent"))
+    ctx = ActorContext(rank=RankContext(sys_path=[], cwd=str(tmp_path)))
+    assert ctx.ship == ShipMap() and ctx.caller_files is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.ship.cwd = "/elsewhere"  # type: ignore[misc]
+    manifest, _ = ship.build(str(tmp_path), [], (), None)
+    assert manifest.context() == ShipMap(str(tmp_path), ((str(tmp_path), manifest.roots[0].name),))

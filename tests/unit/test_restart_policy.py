@@ -133,7 +133,7 @@ def test_back_off_is_observed_between_attempts():
     sup = call(_killed, _killed, both_return, max_restarts=3, restart_backoff=0.3)
     assert sup.result() == ["a", "b"]
     a = sup.outcome.attempts
-    assert [x.decision for x in a] == ["restart", "restart", "stop"]
+    assert [x.decision for x in a] == [Decision.RESTART, Decision.RESTART, Decision.STOP]
     assert [x.backoff for x in a] == [0.3, 0.6, 0.0]
     gaps = [a[i + 1].started - a[i].ended for i in range(2)]
     assert gaps[0] >= 0.3 and gaps[1] >= 0.6

@@ -199,9 +199,9 @@ def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
 
 def saved_world(url: str, storage_options: Mapping[str, Any] | None = None) -> int:
     """How many ranks saved checkpoint ``url`` (its per-rank blobs, from its metadata)."""
-    from . import storage_classes
+    from .volume import VolumeReader
 
-    reader = storage_classes()["VolumeReader"](url, **dict(storage_options or {}))
+    reader = VolumeReader(url, **dict(storage_options or {}))
     keys = reader.read_metadata().state_dict_metadata.keys()
     prefix = BLOB.split("{", 1)[0]
     return sum(1 for k in keys if k.startswith(prefix)) or 1

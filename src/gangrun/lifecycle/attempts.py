@@ -101,7 +101,7 @@ class Restarts:
         facts = facts_of(attempt, reports)
         verdict = self.policy.judge(facts, self._previous, restarts)
         self._previous, self._last_error = facts, attempt.error
-        attempt.decision, attempt.reason = verdict.decision.value, verdict.reason
+        attempt.decision, attempt.reason = verdict.decision, verdict.reason
         attempt.backoff = verdict.backoff if verdict.decision is Decision.RESTART else 0.0
         log.info(
             "call %s: attempt %d ended %s (%s; progress: %s): %s, %s",
@@ -194,7 +194,7 @@ def annotate(error: BaseException | None, attempts: list[Attempt], max_restarts:
     last = attempts[-1]
     n = len(attempts)
     ran = f"{n} attempt{'s' if n != 1 else ''} ran (max_restarts={max_restarts})"
-    judged = last.decision == "stop" and last.state in (State.FAILED, State.HUNG)
+    judged = last.decision is Decision.STOP and last.state in (State.FAILED, State.HUNG)
     why = f"; restarts stopped: {last.reason}" if judged and last.reason else ""
     note = f"\n\n{ran}{why}."
     text = str(error)
@@ -231,7 +231,7 @@ def attempts_json(attempts: list[Attempt]) -> str:
                 "last_step": a.last_step,
                 "world_size": a.world_size,
                 "failure": failure,
-                "decision": a.decision,
+                "decision": a.decision.value if a.decision is not None else "",
                 "reason": a.reason,
                 "backoff_s": a.backoff,
             }
@@ -248,7 +248,7 @@ def record_mlflow(tracker: Tracker | None, attempts: list[Attempt], final: bool)
     client.set_tag(run_id, TAG_ATTEMPTS, str(len(attempts)))
     last = attempts[-1]
     resume = int(getattr(tracker, "resume_number", 0) or 0)
-    if final and last.decision == "stop" and last.state in (State.FAILED, State.HUNG):
+    if final and last.decision is Decision.STOP and last.state in (State.FAILED, State.HUNG):
         client.set_tag(run_id, TAG_RESTART_STOP, last.reason[:5000])
     elif final and resume and TAG_RESTART_STOP in client.get_run(run_id).data.tags:
         client.delete_tag(run_id, TAG_RESTART_STOP)  # an earlier call's: no longer the story

@@ -8,7 +8,7 @@ The rules (docs/restarts.md, "Restart rules"), in the order they are applied:
 3. A failure *worth retrying* restarts: a rank killed by a signal or ending with an exit
    status but no Python exception (the OOM killer, a segfault, ``os._exit``), a hang caught by
    the guard, a lost Ray node, a collective timeout or a connection reset (the exception is
-   a peer's echo or a network/timeout error: see `TRANSIENT_TYPES`, `TRANSIENT_TEXT`,
+   a peer's echo or a network/timeout error: `gangrun.lifecycle.rootcause` holds the one list,
    `is_transient_exception`), unless its message says the backend is not available.
 4. The rest is a Python exception raised by the root-cause rank. It is *certain to repeat*,
    and stops the restarts at once, when
@@ -33,92 +33,27 @@ A restart waits ``restart_backoff * 2**(k-1)`` seconds before the k-th restart, 
 
 from __future__ import annotations
 
-import enum
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import PEER_ECHO_TEXT
-from .state import State
+from .rootcause import (
+    TRANSIENT_TEXT,
+    TRANSIENT_TYPES,
+    UNAVAILABLE_TEXT,
+    any_of,
+    is_transient_exception,
+    unavailable_backend,
+)
+from .state import Decision, State
 
 if TYPE_CHECKING:
     from ..options import Options
 
 
-class Decision(enum.Enum):
-    RESTART = "restart"
-    STOP = "stop"
-
-
 RETRYABLE = frozenset({State.FAILED, State.HUNG})
 
-# Exception types (the last part of the qualified name) that say the network, a peer or the
-# clock failed, not the code: a retry can succeed.
-TRANSIENT_TYPES = frozenset(
-    {
-        "TimeoutError",
-        "ConnectionError",
-        "ConnectionResetError",
-        "ConnectionAbortedError",
-        "ConnectionRefusedError",
-        "BrokenPipeError",
-        "KeyboardInterrupt",  # SIGINT sent to the rank from outside: a signal, not the code
-        "DistNetworkError",
-        "DistStoreError",
-        "DistBackendError",
-        "timeout",  # socket.timeout
-    }
-)
-# Messages that say a peer went away (`gangrun.errors.PEER_ECHO_TEXT`, a platform module:
-# the live output folds such tracebacks too). `gangrun.lifecycle.rootcause` ranks a failure
-# with one behind every other failure (it is the echo of a peer's death); like every text
-# below, retried.
-# Messages that say the network, a collective or the hardware failed: worth retrying.
-TRANSIENT_TEXT = (
-    *PEER_ECHO_TEXT,
-    "NCCL",  # an NCCL error or timeout (not one of UNAVAILABLE_TEXT: checked first)
-    "Watchdog caught collective",
-    "collective operation timeout",
-    "uncorrectable ECC error",
-)
-# Messages that say the process group's backend cannot be used at all, in this torch or on
-# this machine (``init_process_group("nccl")`` on a CPU-only torch or a node without GPUs):
-# certain to repeat, whatever the exception type, after progress or not.
-UNAVAILABLE_TEXT = (
-    r"Distributed package doesn't have \w+ built in",
-    "ProcessGroupNCCL is only supported with GPUs",
-    "NCCL (?:backend )?is not available",
-    "NCCL support is not compiled",
-)
-
-
-def any_of(texts: tuple[str, ...]) -> re.Pattern[str]:
-    """One case-insensitive pattern matching any of ``texts`` (regular expressions)."""
-    return re.compile("|".join(texts), re.IGNORECASE)
-
-
-_TRANSIENT = any_of(TRANSIENT_TEXT)
-_UNAVAILABLE = any_of(UNAVAILABLE_TEXT)
 NEVER_REPEATS = frozenset({"ResultSerializationError"})
-
-
-def unavailable_backend(exc_type: str, message: str) -> str | None:
-    """The words of the exception that say the distributed backend cannot be used here (an
-    NCCL-less torch, no GPUs), or None."""
-    m = _UNAVAILABLE.search(f"{exc_type}: {message}")
-    return m.group(0) if m else None
-
-
-def is_transient_exception(exc_type: str, message: str) -> bool:
-    """The exception says a peer, the network or the hardware failed (worth retrying); never
-    one that says the backend is not available (`unavailable_backend`)."""
-    if unavailable_backend(exc_type, message) is not None:
-        return False
-    if exc_type.startswith("ray."):  # a lost actor or node (gangrun.launch.ray)
-        return True
-    if exc_type.rpartition(".")[2] in TRANSIENT_TYPES:
-        return True
-    return bool(_TRANSIENT.search(f"{exc_type}: {message}"))
 
 
 @dataclass(frozen=True)

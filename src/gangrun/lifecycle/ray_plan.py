@@ -20,6 +20,7 @@ from .. import contract
 from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import connect, fmt_resources
+from ..launch.ray.ship import upload_runtime_env
 from ..options import Options, setting
 from .plan import Plan
 
@@ -113,7 +114,7 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
     elif kind == "GPU":
         plan.gpu_name = types[0] if len(types) == 1 else None
     settings = opts.ray.with_builtins()
-    runtime_env = _upload_local_dirs(ray, runtime_env_of(opts))
+    runtime_env = upload_runtime_env(runtime_env_of(opts))
     timeout = float(setting(settings, "placement_timeout"))
     if opts.timeout is not None:
         timeout = min(timeout, float(opts.timeout))
@@ -237,43 +238,6 @@ def ship_env(
         for k in ("RANK", "WORLD_SIZE", "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
             rs.env[k] = base[k]
     spec.placement = placement
-
-
-def _upload_local_dirs(ray: Any, runtime_env: dict[str, Any]) -> dict[str, Any]:
-    """Upload a local ``working_dir``/``py_modules`` to the cluster (as ``ray.init`` does for
-    a job's runtime env; Ray refuses local paths in an actor's own runtime env)."""
-    wd = runtime_env.get("working_dir")
-    mods = runtime_env.get("py_modules") or []
-    local = (isinstance(wd, str) and "://" not in wd) or any(
-        not isinstance(m, str) or "://" not in m for m in mods
-    )
-    if not local:
-        return runtime_env
-    from .._compat_imports import RAY_SUPPORTED, private_import
-
-    upload_py_modules_if_needed = private_import(
-        "ray._private.runtime_env.py_modules",
-        "upload_py_modules_if_needed",
-        supported=RAY_SUPPORTED,
-    )
-    upload_working_dir_if_needed = private_import(
-        "ray._private.runtime_env.working_dir",
-        "upload_working_dir_if_needed",
-        supported=RAY_SUPPORTED,
-    )
-    try:
-        scratch = ray._private.worker.global_worker.node.get_runtime_env_dir_path()
-        env = dict(runtime_env)
-        env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-        env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-        env.pop("excludes", None)
-        return env
-    except Exception as exc:
-        raise LaunchError(
-            f"Could not upload the local working_dir/py_modules of {contract.RAY_RUNTIME_ENV} "
-            f"({exc}). Pass them to ray.init(runtime_env=...) yourself before the call, or "
-            "give URIs (s3://..., gs://...) instead."
-        ) from exc
 
 
 __all__ = ["plan_ray", "resize", "ship_env", "runtime_env_of"]

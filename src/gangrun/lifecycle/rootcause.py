@@ -16,6 +16,11 @@ with code 0 before returning"); a rank its launcher lost (`gangrun.launch.LostRa
 fork server, a lost Ray actor, a failed wait) failed as the launcher says. The call's ranks
 (`lifecycle.collect`), the interactive gang's executions (`interactive.outcome`) and the
 launchers' special cases all go through it.
+
+What an exception's type and message say of a failure is decided here too, in one list each:
+the echo of a peer's death, a transient failure of the network, a collective or the hardware
+(`is_transient_exception`), a backend that cannot be used on this machine
+(`unavailable_backend`). The restart policy (`gangrun.lifecycle.policy`) reads them from here.
 """
 
 from __future__ import annotations
@@ -23,17 +28,82 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import signal
 from dataclasses import dataclass
 
-from ..errors import DistributedError, signal_name
+from ..errors import PEER_ECHO_TEXT, DistributedError, signal_name
 from ..launch import RankExit
 from ..records import ErrorRecord, RankFailure
-from .policy import PEER_ECHO_TEXT, any_of
 
 log = logging.getLogger("gangrun.lifecycle.rootcause")
 
-_PEER_ECHO = any_of(PEER_ECHO_TEXT)  # one list with the restart policy's transient texts
+# Exception types (the last part of the qualified name) that say the network, a peer or the
+# clock failed, not the code: a retry can succeed.
+TRANSIENT_TYPES = frozenset(
+    {
+        "TimeoutError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionAbortedError",
+        "ConnectionRefusedError",
+        "BrokenPipeError",
+        "KeyboardInterrupt",  # SIGINT sent to the rank from outside: a signal, not the code
+        "DistNetworkError",
+        "DistStoreError",
+        "DistBackendError",
+        "timeout",  # socket.timeout
+    }
+)
+# Messages that say the network, a collective or the hardware failed: worth retrying. The
+# first are those that say a peer went away (`gangrun.errors.PEER_ECHO_TEXT`, a leaf module:
+# the live output folds such tracebacks too): `pick` ranks a failure with one behind every
+# other failure (it is the echo of a peer's death), and the restart policy retries it.
+TRANSIENT_TEXT = (
+    *PEER_ECHO_TEXT,
+    "NCCL",  # an NCCL error or timeout (not one of UNAVAILABLE_TEXT: checked first)
+    "Watchdog caught collective",
+    "collective operation timeout",
+    "uncorrectable ECC error",
+)
+# Messages that say the process group's backend cannot be used at all, in this torch or on
+# this machine (``init_process_group("nccl")`` on a CPU-only torch or a node without GPUs):
+# certain to repeat, whatever the exception type, after progress or not.
+UNAVAILABLE_TEXT = (
+    r"Distributed package doesn't have \w+ built in",
+    "ProcessGroupNCCL is only supported with GPUs",
+    "NCCL (?:backend )?is not available",
+    "NCCL support is not compiled",
+)
+
+
+def any_of(texts: tuple[str, ...]) -> re.Pattern[str]:
+    """One case-insensitive pattern matching any of ``texts`` (regular expressions)."""
+    return re.compile("|".join(texts), re.IGNORECASE)
+
+
+_TRANSIENT = any_of(TRANSIENT_TEXT)
+_UNAVAILABLE = any_of(UNAVAILABLE_TEXT)
+_PEER_ECHO = any_of(PEER_ECHO_TEXT)
+
+
+def unavailable_backend(exc_type: str, message: str) -> str | None:
+    """The words of the exception that say the distributed backend cannot be used here (an
+    NCCL-less torch, no GPUs), or None."""
+    m = _UNAVAILABLE.search(f"{exc_type}: {message}")
+    return m.group(0) if m else None
+
+
+def is_transient_exception(exc_type: str, message: str) -> bool:
+    """The exception says a peer, the network or the hardware failed (worth retrying); never
+    one that says the backend is not available (`unavailable_backend`)."""
+    if unavailable_backend(exc_type, message) is not None:
+        return False
+    if exc_type.startswith("ray."):  # a lost actor or node (gangrun.launch.ray)
+        return True
+    if exc_type.rpartition(".")[2] in TRANSIENT_TYPES:
+        return True
+    return bool(_TRANSIENT.search(f"{exc_type}: {message}"))
 
 
 def rank_failure(
@@ -211,4 +281,16 @@ def build_error(
     return err
 
 
-__all__ = ["rank_failure", "Candidate", "is_peer_echo", "pick", "build_error"]
+__all__ = [
+    "TRANSIENT_TEXT",
+    "TRANSIENT_TYPES",
+    "UNAVAILABLE_TEXT",
+    "Candidate",
+    "any_of",
+    "build_error",
+    "is_peer_echo",
+    "is_transient_exception",
+    "pick",
+    "rank_failure",
+    "unavailable_backend",
+]

@@ -108,6 +108,13 @@ Event = (
 
 
 # ---------------------------------------------------------------------------- outcome
+class Decision(enum.Enum):
+    """What the restart policy decided after an attempt (`gangrun.lifecycle.policy.Verdict`)."""
+
+    RESTART = "restart"
+    STOP = "stop"
+
+
 @dataclass
 class Attempt:
     """One attempt (the first launch or a restart) and how it ended."""
@@ -122,7 +129,7 @@ class Attempt:
     resumed_from: int | None = None  # the step a restore resumed at (progress reports)
     last_step: int | None = None  # the highest step a rank reported
     world_size: int = 0  # how many ranks it ran (a run_id= resume may run another number)
-    decision: str = ""  # "restart" or "stop", and why (policy.Verdict)
+    decision: Decision | None = None  # restart or stop, and why (policy.Verdict)
     reason: str = ""
     backoff: float = 0.0  # seconds waited before the next attempt
 

@@ -141,12 +141,14 @@ class ProgressTracker:
         if total is not None and own:
             eta = max(0.0, (total - last.step) / own)
         resumed = [rep.resumed_from for rep in reports.values() if rep.resumed_from is not None]
+        worlds = [rep.saved_world for rep in reports.values() if rep.saved_world is not None]
         return Progress(
             step=last.step,
             total=total,
             rate=rate,
             eta_s=eta,
             resumed_from=min(resumed) if resumed else None,
+            resumed_world=worlds[0] if resumed and worlds else None,
             ranks=ranks,
         )
 

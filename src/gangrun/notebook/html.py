@@ -73,10 +73,12 @@ def header_lines(snap: CallSnapshot, progress: Progress | None = None) -> list[s
     its progress when the ranks report steps."""
     state = snap.final or ("running" if snap.attempt or snap.message == "running" else "starting")
     attempt = f" · attempt {snap.attempt + 1}/{snap.max_restarts + 1}" if snap.max_restarts else ""
-    if snap.resumed_from is not None:  # "attempt 2/4, resumed from step 1200"
-        attempt += f"{',' if attempt else ' ·'} resumed from step {snap.resumed_from}"
-        if snap.resumed_world is not None:  # "... saved by 8 ranks onto 4"
-            attempt += f" saved by {snap.resumed_world} ranks onto {snap.world_size}"
+    resumed = progress.resumed_from if progress is not None else None
+    if resumed is not None:  # "attempt 2/4, resumed from step 1200"
+        attempt += f"{',' if attempt else ' ·'} resumed from step {resumed}"
+        saved = progress.resumed_world if progress is not None else None
+        if saved is not None:  # "... saved by 8 ranks onto 4"
+            attempt += f" saved by {saved} ranks onto {snap.world_size}"
     head = [
         f"<b>{escape(snap.fn_name)}</b>",
         _badge(state),

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..lifecycle.observers import CallView, Observer
 from ..lifecycle.state import State
@@ -23,9 +23,6 @@ from ..progress_view import Progress
 from .html import MAX_SERIES, Series, render_panel, svg_chart
 from .routing import parent_of
 from .state import CallSnapshot, CallState
-
-if TYPE_CHECKING:
-    from .resumed import ResumeWatch
 
 log = logging.getLogger("gangrun.notebook")
 
@@ -86,7 +83,6 @@ class Panel(Observer):
         self.renders = 0
         self._run: CallView | None = None  # the call, from on_plan
         self._state: CallState | None = None
-        self._resume: ResumeWatch | None = None  # "resumed from step N" (its step reports)
         self._tracked = False
         self._snap: CallSnapshot | None = None
         self._shown = False
@@ -97,11 +93,8 @@ class Panel(Observer):
 
     # -- the call's lifecycle -------------------------------------------------------------
     def on_plan(self, run: CallView) -> None:
-        from .resumed import ResumeWatch
-
         self._run = run
         self._state = state = CallState(run.call, self._changed)
-        self._resume = ResumeWatch(state, run)
         state.starting()  # before the slow parts (MLflow, the fork server)
 
     def on_transition(self, state: State, run: CallView) -> None:
@@ -114,11 +107,7 @@ class Panel(Observer):
                 self._tracked = True
                 cs.tracking(tracker.run_id, tracker.tracking_uri, tracker.experiment_id)
             cs.attempt_started(run.attempt)
-            if self._resume is not None:
-                self._resume.start()
         elif state.terminal:
-            if self._resume is not None:
-                self._resume.stop()
             run.watch.freeze()  # the final draw shows the last step reports, not a cached read
             cs.ended(run.outcome.mlflow_status or "FAILED", run.outcome.error)
 
@@ -140,6 +129,8 @@ class Panel(Observer):
             self._dirty.set()
 
     def _progress(self) -> Progress | None:
+        # the call's one reading of the step reports (`gangrun.lifecycle.watch.Watch`): the
+        # progress line, the ranks' steps and "resumed from step N" all come from it
         return None if self._run is None else self._run.watch.progress()
 
     # -- drawing -------------------------------------------------------------------------

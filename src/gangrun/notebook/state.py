@@ -81,8 +81,6 @@ class CallSnapshot:
     final: str | None = None  # FINISHED / FAILED / KILLED once the call ended
     message: str = ""  # one line: "starting 2 ranks…", the failure's first line
     ended_at: float | None = None
-    resumed_from: int | None = None  # the step this attempt resumed at (a checkpoint restore)
-    resumed_world: int | None = None  # the ranks that saved it, when another number
 
     @property
     def fn_name(self) -> str:
@@ -162,15 +160,7 @@ class CallState:
 
     def attempt_started(self, attempt: int) -> None:
         ranks = tuple(RankView(r, RankState.RUNNING) for r in range(self._snap.world_size))
-        self._set(
-            attempt=attempt, ranks=ranks, message="running", resumed_from=None, resumed_world=None
-        )
-
-    def resumed(self, step: int, saved_world: int | None = None) -> None:
-        """The running attempt resumed from a checkpoint at ``step`` (its step reports),
-        saved by ``saved_world`` ranks when another number than this attempt's."""
-        if (self._snap.resumed_from, self._snap.resumed_world) != (step, saved_world):
-            self._set(resumed_from=step, resumed_world=saved_world)
+        self._set(attempt=attempt, ranks=ranks, message="running")
 
     def rank_line(self, rank: int, text: str) -> None:
         text = text.strip()

@@ -46,7 +46,6 @@ KERNEL_MODULES = (
     "gangrun.notebook.routing",
     "gangrun.notebook.panel",
     "gangrun.notebook.html",
-    "gangrun.notebook.resumed",
 )
 
 

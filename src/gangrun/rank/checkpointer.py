@@ -18,6 +18,12 @@ Agreement between ranks: every manager step all-reduces one small flag tensor on
 of its own (stop requested? time-based save due?), so all ranks save at the same step; saves
 run on a second gloo group, in DCP's background thread, so the training thread's own
 collectives never interleave with them.
+
+The parts (Lightning's split): this module decides when to save, what goes in, which
+checkpoint to restore and which to keep; `gangrun.rank.checkpoint_io` writes and reads them
+(through `gangrun.checkpoint.volume.write`, the one place a checkpoint is written); the
+exactly-once metrics and the run's newest-checkpoint tag are the rank's tracking
+(`gangrun.rank.step_metrics`).
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ from ..checkpoint import state as _state
 from ..rundir import RunDir
 from . import location, progress
 from . import stop as _stop
+from .checkpoint_io import CheckpointIO
+from .step_metrics import TAG_LATEST, StepMetrics, tag_latest
 
 PREFIX = "step-"
-TAG_LATEST = "gangrun.checkpoint_latest"  # set by rank 0 after each commit
 
 
 def _dist() -> Any:
@@ -86,6 +93,8 @@ class Checkpointer:
         self.every, self.every_seconds, self.keep = every, every_seconds, keep
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
+        self._io = CheckpointIO(self.storage_options, async_save)  # the writes and reads
+        self._step_metrics = StepMetrics()  # log_metrics' buffer: logged once the step is saved
         # a mapping the manager can put restored plain values into
         self.state: Mapping[str, Any] = (
             state if isinstance(state, MutableMapping) else dict(state or {})
@@ -94,16 +103,11 @@ class Checkpointer:
         self.last: str | None = None  # newest committed checkpoint (this manager's view)
         self.restored_from: str | None = None
         self._entries: _state.Entries | None = None
-        self._pending: tuple[Any, int, str] | None = None  # (future, step, url)
         self._saved_step = -1
         self._last_save = time.monotonic()
-        self._metrics: list[tuple[int, int, dict[str, float]]] = []  # (step, ms, metrics)
         self._groups: tuple[Any, Any] | None = None
-        self._stager: Any = None
         self._rank, self._world = 0, 1
         self._restored = False
-        self._warned_metrics = False
-        self._have: dict[str, set[int]] = {}  # steps the run has, per metric key
         _stop.install()
         location.claim(self.dir, self)  # a second live manager on this location: an error
 
@@ -145,9 +149,6 @@ class Checkpointer:
     def _url(self, step: int) -> str:
         return f"{self.dir}/{PREFIX}{step:09d}"
 
-    def _local(self, url: str) -> str:
-        return url[len("file://") :] if url.startswith("file://") else url
-
     def _agree(self, *flags: int) -> list[int]:
         dist = _dist()
         if dist is None or self._world == 1:
@@ -182,23 +183,13 @@ class Checkpointer:
             progress.report_fresh_start()  # not progress (docs/restarts.md)
             return 0
         _state.reshard_check(e, found, saved or self._world, self._world, self._rank)
-        for key, engine in e.engines.items():
-            path, _ = engine.load_checkpoint(
-                os.path.join(self._local(found), "deepspeed", key), tag="engine"
-            )
-            if path is None:
-                raise RuntimeError(f"DeepSpeed found no checkpoint for {key!r} in {found}")
-        from ..checkpoint import load
-
-        tpl = _state.load_template(e, self._rank, saved)
         group = self._groups[1] if self._groups else None
-        load(tpl, found, process_group=group, storage_options=self.storage_options)
-        blob = _state.apply(e, tpl, self._rank, self.state, saved=saved)
+        blob = self._io.read(e, found, self._rank, saved, group, self.state)
         self.step = self._saved_step = int(blob["step"])
         if saved and saved != self._world and self._rank == 0:  # said in the cell
             print(_state.resume_note(e, self.step, saved, self._world), file=sys.stderr)
         self.last = self.restored_from = found
-        self._replay_metrics(blob.get("metrics", []))
+        self._step_metrics.replay(blob.get("metrics", []))
         self._last_save = time.monotonic()
         progress.report_resumed(self.step, saved if saved and saved != self._world else None)
         return self.step
@@ -247,12 +238,11 @@ class Checkpointer:
         """Log ``metrics`` for ``step`` to the call's MLflow run once the checkpoint that
         covers the step is committed: a step replayed after a restore is logged once, never
         twice, never lost."""
-        if self._rank_for_metrics() != 0:
+        rank = self._rank if self._groups is not None else env_rank_world()[0]
+        if not self._step_metrics.add(rank, step, int(time.time() * 1000), metrics):
             return
-        ms = int(time.time() * 1000)
-        self._metrics.append((int(step), ms, {k: float(v) for k, v in metrics.items()}))
         if self.every is None and self.every_seconds is None:
-            self._flush(self.step + 1)
+            self._step_metrics.flush(self.step + 1)
 
     # ------------------------------------------------------------------ saving
     def save(self, *, wait: bool = False) -> str:
@@ -261,29 +251,11 @@ class Checkpointer:
         e = self._classify(fresh=True)
         self.wait()
         step, url = self.step, self._url(self.step)
-        for key, engine in e.engines.items():
-            engine.save_checkpoint(
-                os.path.join(self._local(url), "deepspeed", key), tag="engine", save_latest=False
-            )
-        pending = [m for m in self._metrics if m[0] < step]
-        sd = _state.save_dict(e, self._rank, {"step": step, "metrics": pending})
-        from ..checkpoint import storage_classes
-
-        writer = storage_classes()["VolumeWriter"](url, **self.storage_options)
-        import torch.distributed.checkpoint as dcp
-
+        sd = _state.save_dict(
+            e, self._rank, {"step": step, "metrics": self._step_metrics.before(step)}
+        )
         group = self._groups[1] if self._groups else None
-        if self.async_save and not e.engines:
-            fut = dcp.async_save(
-                sd,
-                storage_writer=writer,
-                process_group=group,
-                no_dist=_dist() is None,
-                async_stager=self._get_stager(),
-            )
-            self._pending = (getattr(fut, "upload_completion", fut), step, url)
-        else:
-            dcp.save(sd, storage_writer=writer, process_group=group, no_dist=_dist() is None)
+        if self._io.write(e, sd, url, step, group):
             self._committed(step, url)
         self._saved_step = step
         self._last_save = time.monotonic()
@@ -291,37 +263,22 @@ class Checkpointer:
             self.wait()
         return url
 
-    def _get_stager(self) -> Any:
-        # One stager for the manager's life: its CPU copy of the state is reused from one
-        # save to the next (no fresh allocation, pinned memory on GPUs); the previous save
-        # has always finished with it (save() waits first).
-        if self._stager is None:
-            import torch
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            pinned = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
-        return self._stager
-
     def _poll(self) -> None:
-        if self._pending is not None and self._pending[0].done():
+        if self._io.done():
             self.wait()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed."""
-        if self._pending is None:
-            return
-        fut, step, url = self._pending
-        self._pending = None
-        fut.result()
-        self._committed(step, url)
+        written = self._io.wait()
+        if written is not None:
+            self._committed(*written)
 
     def _committed(self, step: int, url: str) -> None:
         self.last = url
-        self._flush(step)
+        self._step_metrics.flush(step)
         if self._rank != 0:
             return
-        self._tag(url)
+        tag_latest(url)
         if self.keep is not None:
             for old in list_checkpoints(self.dir, **self.storage_options)[: -self.keep]:
                 remove(old, **self.storage_options)
@@ -348,10 +305,8 @@ class Checkpointer:
         """Wait for the save in flight, log the metrics still buffered, free the staging
         copy of the state."""
         self.wait()
-        self._flush(None)
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        self._step_metrics.flush(None)
+        self._io.close()
         location.release(self.dir, self)
 
     def __enter__(self) -> Checkpointer:
@@ -360,86 +315,6 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
-
-    # ------------------------------------------------------------------ MLflow
-    def _rank_for_metrics(self) -> int:
-        """This rank, warning once when it is not rank 0: rank 0's metrics are the run's."""
-        rank = self._rank if self._groups is not None else env_rank_world()[0]
-        if rank != 0 and not self._warned_metrics:
-            self._warned_metrics = True
-            print(
-                f"gangrun: Checkpointer.log_metrics on rank {rank} is ignored: rank 0's "
-                "metrics are logged, once per step (all_reduce a value first for a global "
-                "one; mlflow.log_metric logs a rank's own, live).",
-                file=sys.stderr,
-            )
-        return rank
-
-    def _client(self) -> Any:
-        run_id = os.environ.get("MLFLOW_RUN_ID")
-        if not run_id:
-            return None, None
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError:
-            return None, None
-        return MlflowClient(), run_id
-
-    def _flush(self, before: int | None) -> None:
-        """Log the buffered metrics of steps < ``before`` (all of them for ``None``)."""
-        ready = [m for m in self._metrics if before is None or m[0] < before]
-        if not ready:
-            return
-        self._metrics = [m for m in self._metrics if not (before is None or m[0] < before)]
-        self._log(ready)
-
-    def _log(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
-        """Log ``entries`` but the (key, step) pairs the run has already: a step that an
-        earlier attempt logged and this one redid (after a restore, or a loop left early and
-        resumed) is in the run once. A tracking error does not stop the training: what was
-        not logged stays buffered (and travels in the next checkpoint) for the next flush."""
-        client, run_id = self._client()
-        if client is None:
-            return
-        from mlflow.entities import Metric
-
-        todo = [(s, ms, k, v) for s, ms, m in entries for k, v in m.items()]
-        done = 0
-        try:
-            for k in {t[2] for t in todo}:
-                if k not in self._have:
-                    self._have[k] = {x.step for x in client.get_metric_history(run_id, k)}
-            todo = [t for t in todo if t[0] not in self._have[t[2]]]
-            for i in range(0, len(todo), 1000):
-                chunk = todo[i : i + 1000]
-                client.log_batch(run_id, metrics=[Metric(k, v, ms, s) for s, ms, k, v in chunk])
-                for s, _, k, _ in chunk:
-                    self._have[k].add(s)
-                done = i + len(chunk)
-        except Exception as exc:  # tracking must not stop the training
-            left: dict[tuple[int, int], dict[str, float]] = {}
-            for s, ms, k, v in todo[done:]:
-                left.setdefault((s, ms), {})[k] = v
-            kept = [(s, ms, m) for (s, ms), m in left.items()] + self._metrics
-            self._metrics = sorted(kept, key=lambda e: (e[0], e[1]))
-            print(
-                f"gangrun: could not log {len(todo) - done} metric value(s) to MLflow run "
-                f"{run_id} ({type(exc).__name__}: {exc}); kept for the next flush.",
-                file=sys.stderr,
-            )
-
-    def _replay_metrics(self, entries: list[tuple[int, int, dict[str, float]]]) -> None:
-        # Metrics the checkpoint covered but whose flush the previous attempt may not have
-        # reached: log the ones the run does not have yet.
-        self._log([(int(s), int(ms), dict(m)) for s, ms, m in entries])
-
-    def _tag(self, url: str) -> None:
-        client, run_id = self._client()
-        if client is not None:
-            try:
-                client.set_tag(run_id, TAG_LATEST, url)
-            except Exception as exc:  # tracking must not stop the training
-                print(f"gangrun: could not tag the MLflow run: {exc}", file=sys.stderr)
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -10,7 +10,6 @@ key silently dropped. They travel by pickle between processes of the same gangru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from ...records import RankContext
 
@@ -35,13 +34,33 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class ShipMap:
+    """Where the caller's shipped directories are (`gangrun.launch.ray.ship`): the caller's
+    working directory (``""``: not shipped) and, per shipped directory, the name of its
+    package (the directory Ray unpacks it into on a node)."""
+
+    cwd: str = ""
+    roots: tuple[tuple[str, str], ...] = ()  # (the caller's path, the package's name)
+
+
+@dataclass(frozen=True)
+class FilesIdentity:
+    """Which directory a path is (`ship.files_identity`): the machine's boot id, the device
+    and the inode; equal on a node that sees the caller's very directory."""
+
+    boot: str = ""
+    dev: int = -1
+    ino: int = -1  # -1: the path does not exist there
+
+
+@dataclass(frozen=True)
 class ActorContext:
     """What the caller ships to every actor with the payload: the rank's `RankContext` as
     the caller sees it, and what the actor needs to map it onto its node."""
 
     rank: RankContext
-    ship: dict[str, Any] = field(default_factory=dict)  # ship.Manifest.context(); {}: none
-    caller_files: dict[str, Any] = field(default_factory=dict)  # ship.files_identity(cwd)
+    ship: ShipMap = ShipMap()  # ship.Manifest.context(); empty: nothing shipped
+    caller_files: FilesIdentity | None = None  # ship.files_identity(cwd); None: unknown
     use_actor_cwd: bool = False  # Ray's runtime_env working_dir is the rank's directory
 
 
@@ -75,4 +94,12 @@ class RankOutputs:
     progress: bytes | None = None
 
 
-__all__ = ["NodeInfo", "ActorContext", "Started", "Polled", "RankOutputs"]
+__all__ = [
+    "NodeInfo",
+    "ActorContext",
+    "FilesIdentity",
+    "ShipMap",
+    "Started",
+    "Polled",
+    "RankOutputs",
+]

@@ -25,7 +25,7 @@ from ..spawn import close_write_ends
 from . import diagnose, ship, versions
 from .actor import RankActor
 from .placement import check_gpu_type, node_envs, placement_of, ray_module, reserve
-from .records import ActorContext, NodeInfo, Polled, RankOutputs, Started
+from .records import ActorContext, NodeInfo, Polled, RankOutputs, ShipMap, Started
 
 log = logging.getLogger("gangrun.launch.ray")
 POLL_S = 2.0  # an idle rank's poll returns this often; output and exits return at once
@@ -162,6 +162,7 @@ class RaySpawner:
         self.pg: Any = None
         self.stopping = False
         self.manifest: ship.Manifest | None = None
+        self.uploaded = ship.Uploaded()  # what this gang's start sent to the cluster
         self.started: dict[int, Started] = {}
         self.caller_cwd = ""
         self.caller_node: str | None = None  # the caller's Ray node id (None: Ray Client)
@@ -192,14 +193,12 @@ class RaySpawner:
             self.release(0.0)
             raise
 
-    def _ship(
-        self, context: RankContext, payload: bytes, runtime_env: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _ship(self, context: RankContext, payload: bytes, runtime_env: dict[str, Any]) -> ShipMap:
         """Ship the caller's files the ranks may need (`ship`); sets the actors'
-        ``py_modules``; the map the actors translate paths with (``{}``: nothing shipped)."""
+        ``py_modules``; the map the actors translate paths with (empty: nothing shipped)."""
         opts = self.placement.shipping
         if opts is None or not opts.ship:
-            return {}
+            return ShipMap()
         cwd, sys_path = context.cwd, list(context.sys_path)
         extra = [os.path.abspath(os.path.expanduser(p)) for p in opts.paths]
         for p in extra:
@@ -210,7 +209,7 @@ class RaySpawner:
         manifest, scanned = ship.build(
             cwd if with_cwd else None, extra, opts.excludes, opts.max_ship_bytes
         )
-        ship.upload(manifest, scanned)
+        self.uploaded = ship.upload(manifest, scanned)
         if manifest.roots:
             mods = list(runtime_env.get("py_modules") or [])
             runtime_env["py_modules"] = mods + [r.uri for r in manifest.roots]
