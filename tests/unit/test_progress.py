@@ -7,7 +7,7 @@ import os
 import pytest
 
 from gangrun.rank import progress
-from gangrun.rundir import RunDir
+from gangrun.wire.rundir import RunDir
 
 
 @pytest.fixture(autouse=True)

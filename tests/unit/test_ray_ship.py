@@ -12,7 +12,7 @@ import pytest
 from gangrun import LaunchError
 from gangrun.launch.ray import diagnose, ship, versions
 from gangrun.launch.ray.records import NodeInfo
-from gangrun.records import ErrorRecord
+from gangrun.wire.records import ErrorRecord
 
 
 def _tree(root, files: dict[str, str]) -> None:

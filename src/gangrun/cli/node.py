@@ -66,7 +66,7 @@ class CallRef:
 
 
 def _read_record(run_dir: str, uid: int) -> dict[str, Any] | None:
-    from ..rundir import RunDir
+    from ..wire.rundir import RunDir
 
     try:
         fd = os.open(RunDir(run_dir).call_record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -169,7 +169,7 @@ def resolve(run: str, calls: list[CallRef]) -> CallRef:
 
 def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One request on the call's control socket; its answer."""
-    from ..rundir import RunDir
+    from ..wire.rundir import RunDir
 
     path = RunDir(c.run_dir).control_socket
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -251,7 +251,7 @@ def cmd_ps(ns: argparse.Namespace) -> int:
 
 
 def _log_files(c: CallRef, rank: int | None) -> dict[int, str]:
-    from ..rundir import log_path
+    from ..wire.rundir import log_path
 
     n = int(c.rec.get("world_size") or 0)
     log_dir = str(c.rec.get("log_dir") or os.path.join(c.run_dir, "logs"))

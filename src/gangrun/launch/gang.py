@@ -20,7 +20,7 @@ import time
 from typing import IO, TYPE_CHECKING
 
 from ..host import system as platform
-from ..rundir import RunDir, log_path
+from ..wire.rundir import RunDir, log_path
 from . import ExitSink, GangSpec, LostRank, RankExit, RankIO, RankProcess, RankSpec, Spawner
 from .limits import check_env
 from .spawn import SpawnSpawner, close_fds
@@ -35,7 +35,7 @@ _START_METHODS = ("auto", "spawn", "forkserver")
 def open_log(log_dir: str, rank: int) -> IO[bytes]:
     """Rank ``rank``'s log file (appended to across restarts; 0600; never through a symlink
     or into a file of another user: docs/security.md)."""
-    from ..security import open_log as open_private_log
+    from ..wire.security import open_log as open_private_log
 
     return open_private_log(log_path(log_dir, rank))
 

@@ -27,10 +27,10 @@ import uuid
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .. import contract
 from ..checkpoint.writer import WriterLock, acquire
 from ..errors import DistributedPreemptedError, LaunchError
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire.rundir import RunDir
 
 if TYPE_CHECKING:
     from ..options import Options

@@ -32,8 +32,8 @@ import time
 from typing import Any
 
 from ..host.system import process_identity
-from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
-from ..security import redact
+from ..wire.rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
+from ..wire.security import redact
 from .checkpoints import location
 from .observers import CallView, Observer
 from .state import State

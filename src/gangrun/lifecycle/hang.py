@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..rank import stacks
 from ..rank.heartbeat import heartbeat_path
-from ..rundir import RunDir, log_path
+from ..wire.rundir import RunDir, log_path
 
 if TYPE_CHECKING:
     from ..errors import DistributedHangError

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import DistributedError, signal_name
 from ..launch import RankExit
-from ..records import ErrorRecord, RankFailure
+from ..wire.records import ErrorRecord, RankFailure
 from .policy import PEER_ECHO_TEXT, any_of
 
 log = logging.getLogger("gangrun.lifecycle.rootcause")

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import DistributedError
 from ..launch import RankExit
-from ..records import RankFailure
+from ..wire.records import RankFailure
 
 
 class State(enum.Enum):

@@ -27,9 +27,9 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .. import contract
 from ..progress_view import Progress, RankProgress, summary_line
 from ..rank.progress import StepReport, read_all
+from ..wire import contract
 from .observers import CallView, Observer
 from .state import State
 

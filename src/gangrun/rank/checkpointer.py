@@ -30,11 +30,11 @@ import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
-from .. import contract
 from ..checkpoint import integrity as _integrity
 from ..checkpoint import is_complete, list_checkpoints, remove
 from ..checkpoint import state as _state
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire.rundir import RunDir
 from . import location, progress
 from . import stop as _stop
 

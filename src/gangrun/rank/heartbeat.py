@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..rundir import RunDir
+from ..wire.rundir import RunDir
 
 _MIN_BEAT_INTERVAL_S = 0.25
 _last_beat = 0.0

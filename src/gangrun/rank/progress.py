@@ -14,7 +14,7 @@ Each report says whether the rank has made progress in this attempt (`StepReport
 a reported step or a loaded checkpoint).
 
 Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directory
-(`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
+(`gangrun.wire.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
 fsync): a report is a clock read and, at most every `MIN_INTERVAL_S` (and always for the
 first report and a changed total), one 96-byte write; the report the throttle held back last
 is written when the rank ends (`flush`, called by `gangrun.rank.worker`). The caller reads it with
@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..rundir import RunDir
+from ..wire.rundir import RunDir
 
 MIN_INTERVAL_S = 0.1
 _SIZE = 96

@@ -23,7 +23,7 @@ import signal
 import time
 from typing import IO
 
-from ..rundir import RunDir
+from ..wire.rundir import RunDir
 
 _file: IO[str] | None = None  # kept open for faulthandler
 

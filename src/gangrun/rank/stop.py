@@ -31,8 +31,8 @@ import os
 import signal
 import threading
 
-from .. import contract
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire.rundir import RunDir
 
 _flag = threading.Event()
 _installed = False

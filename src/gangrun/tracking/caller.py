@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import LaunchError
-from ..security import credentials, redact
+from ..wire.security import credentials, redact
 from . import lease
 from .bounded import HealthWatch, TrackingTimeout, bounded, is_server, probe
 from .plan import (

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import LaunchError
 from ..host.system import process_identity
-from ..records import pid_namespace
+from ..wire.records import pid_namespace
 
 TAG_LEASE = "gangrun.lease"
 

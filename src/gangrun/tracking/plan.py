@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import LaunchError
-from ..security import redact
+from ..wire.security import redact
 
 if TYPE_CHECKING:
     from ..options import Options

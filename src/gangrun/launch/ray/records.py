@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...records import RankContext
+from ...wire.records import RankContext
 
 
 @dataclass(frozen=True)

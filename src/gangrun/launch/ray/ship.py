@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import LaunchError
-from ...serialization import human_bytes
+from ...wire.serialization import human_bytes
 
 log = logging.getLogger("gangrun.launch.ray")
 ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", ".ipynb_checkpoints/", ".venv/", "venv/")
