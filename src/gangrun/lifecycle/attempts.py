@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._log import get_logger
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..options import Options
-from ..rank import progress
+from ..wire import progress
 from .policy import AttemptFacts, Decision, RestartPolicy, Verdict
 from .state import Attempt, CancelRequested, State
 

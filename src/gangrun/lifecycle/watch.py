@@ -4,7 +4,7 @@ Everything here is read from the run directory on request (the panel's redraw, t
 status line, ``handle.progress()``): no thread of its own, nothing on the training path.
 
 - **Progress** comes from the ranks' step reports (`gangrun.report_step`, read with
-  `gangrun.rank.progress.read_all`). When no rank reports, there is no progress: nothing is
+  `gangrun.wire.progress.read_all`). When no rank reports, there is no progress: nothing is
   guessed. The gang's step is its slowest rank's; the ETA is that rank's remaining steps at
   its recent rate.
 - **A slow rank** is one whose recent rate (over `RATE_WINDOW_S`) stays under
@@ -28,8 +28,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..progress_view import Progress, RankProgress, summary_line
-from ..rank.progress import StepReport, read_all
 from ..wire import contract
+from ..wire.progress import StepReport, read_all
 from .observers import CallView, Observer
 from .state import State
 

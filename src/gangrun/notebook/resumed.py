@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from ..rank import progress
+from ..wire import progress
 from .state import CallState
 
 if TYPE_CHECKING:

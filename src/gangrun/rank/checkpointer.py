@@ -22,7 +22,6 @@ collectives never interleave with them.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -35,6 +34,7 @@ from ..checkpoint import is_complete, list_checkpoints, remove
 from ..checkpoint import state as _state
 from ..wire import contract
 from ..wire.rundir import RunDir
+from ..wire.stop import Stopped, write_stopped
 from . import location, progress
 from . import stop as _stop
 
@@ -333,10 +333,8 @@ class Checkpointer:
             self.wait()
         rd = os.environ.get(contract.RUN_DIR)
         if rd:
-            record = {"step": self.step, "checkpoint": self.last, "time": time.time()}
-            record["mlflow_run_id"] = os.environ.get("MLFLOW_RUN_ID")
-            with open(RunDir(rd).stopped(self._rank), "w") as f:
-                json.dump(record, f)
+            record = Stopped(self.step, self.last, time.time(), os.environ.get("MLFLOW_RUN_ID"))
+            write_stopped(RunDir(rd), self._rank, record)
         print(
             f"gangrun: rank {self._rank} checkpointed step {self.step} to {self.last} and stops "
             "(preempted).",
