@@ -30,6 +30,7 @@ from ..errors import DistributedPreemptedError, LaunchError
 from ..wire import contract
 from ..wire import stop as stop_files
 from ..wire.rundir import RunDir
+from ..wire.tags import TAG_DIR, TAG_LATEST
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -59,8 +60,6 @@ class Supervisor(Protocol):
 
 log = logging.getLogger("gangrun.lifecycle.checkpoints")
 
-TAG_DIR = "gangrun.checkpoint_dir"
-TAG_LATEST = "gangrun.checkpoint_latest"  # written by rank 0 after each commit (rank/checkpointer)
 _MARGIN_S = 2.0  # beyond grace_period: a rank's exit and the caller's reading of it
 _held_lock = threading.Lock()
 _held: dict[str, WriterLock] = {}  # call run id -> the location it holds

@@ -35,11 +35,11 @@ from ..checkpoint import state as _state
 from ..wire import contract
 from ..wire.rundir import RunDir
 from ..wire.stop import Stopped, write_stopped
+from ..wire.tags import TAG_LATEST
 from . import location, progress
 from . import stop as _stop
 
 PREFIX = "step-"
-TAG_LATEST = "gangrun.checkpoint_latest"  # set by rank 0 after each commit
 
 
 def _dist() -> Any:

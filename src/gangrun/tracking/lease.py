@@ -36,8 +36,7 @@ from typing import Any
 from ..errors import LaunchError
 from ..host.system import process_identity
 from ..wire.records import pid_namespace
-
-TAG_LEASE = "gangrun.lease"
+from ..wire.tags import TAG_LEASE
 
 _lock = threading.Lock()
 _held: set[str] = set()  # the call ids of this process whose runs are still in use
