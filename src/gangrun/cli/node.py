@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..wire import call as call_file
@@ -188,7 +188,7 @@ def cmd_ps(ns: argparse.Namespace) -> int:
             return EXIT_USAGE
         calls = [c for c in calls if fn in function_names(c.rec.function)]
     if ns.json:
-        print(json.dumps([dict(c.rec.to_dict(), state=c.state) for c in calls], indent=2))
+        print(json.dumps([replace(c.rec, state=c.state).to_dict() for c in calls], indent=2))
         return EXIT_OK
     if not calls:
         which = f" of function {fn!r}" if fn is not None else ""

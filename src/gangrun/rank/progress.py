@@ -103,7 +103,7 @@ def _write(fd: int, now: float) -> None:
         saved_world=None if _saved_world < 0 else _saved_world,
     )
     try:
-        os.pwrite(fd, report.encode(), 0)
+        os.pwrite(fd, report.to_bytes(), 0)
     except OSError:  # run directory gone or disk full: reports are best effort
         os.close(fd)
         _fd = None

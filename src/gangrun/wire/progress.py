@@ -37,7 +37,7 @@ class StepReport:
             return None
         return (self.step - self.first_step) / dt
 
-    def encode(self) -> bytes:
+    def to_bytes(self) -> bytes:
         """The report as the file holds it: `SIZE` bytes."""
         line = (
             f"{self.step} {-1 if self.total is None else self.total} "
