@@ -31,7 +31,7 @@ import time
 
 from ..host.system import process_identity
 from ..wire import call as call_file
-from ..wire import control as wire
+from ..wire import control as messages
 from ..wire.call import CallEntry
 from ..wire.control import Reply, Request
 from ..wire.rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
@@ -207,20 +207,20 @@ class ControlObserver(Observer):
             _reply(conn, Reply(ok=False, error="refused: this call belongs to another user"))
             return
         try:
-            req = Request.from_json(wire.read_line(conn))
+            req = Request.from_json(messages.read_line(conn))
         except OSError:
             return
         if req is None:
             return
-        if req.op == wire.PING:
+        if req.op == messages.PING:
             _reply(conn, Reply(ok=True, record=self.record().to_dict()))
-        elif req.op == wire.STACKS:
+        elif req.op == messages.STACKS:
             try:
                 got = self.run.watch.stacks(wait=_wait_s(req.timeout))
                 _reply(conn, Reply(ok=True, stacks={str(r): s for r, s in got.items()}))
             except Exception as exc:
                 _reply(conn, Reply(ok=False, error=str(exc)))
-        elif req.op == wire.STOP:
+        elif req.op == messages.STOP:
             who = req.by
             reason = "stopped from the command line (gangrun stop" + (f", {who}" if who else "")
             log.debug("call %s: %s)", self.run.call.run_id, reason)
@@ -252,7 +252,7 @@ def _wait_s(value: float | None) -> float:
 
 def _reply(conn: socket.socket, msg: Reply) -> None:
     try:
-        wire.send(conn, msg)
+        messages.send(conn, msg)
     except OSError:  # the client gave up
         pass
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 import time
 
+from ..wire import progress as progress_file
 from ..wire.progress import StepReport
-from ..wire.rundir import RunDir
 
 MIN_INTERVAL_S = 0.1
 
@@ -78,9 +78,7 @@ def _open() -> int | None:
         return None
     run_dir, rank, pid = _bound
     try:
-        _fd = os.open(
-            RunDir(run_dir).progress(rank), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        _fd = progress_file.open_for_writing(run_dir, rank)
     except OSError:
         _disabled = True
         return None
@@ -103,7 +101,7 @@ def _write(fd: int, now: float) -> None:
         saved_world=None if _saved_world < 0 else _saved_world,
     )
     try:
-        os.pwrite(fd, report.to_bytes(), 0)
+        progress_file.write(fd, report)
     except OSError:  # run directory gone or disk full: reports are best effort
         os.close(fd)
         _fd = None

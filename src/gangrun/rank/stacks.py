@@ -12,7 +12,8 @@ Caller side: `request` signals the given ranks and returns what each wrote *for 
 request* (the file only grows: each dump is read from the size it had before the signal),
 the user's threads first: gangrun's own (the liveness watchdog, the MLflow and SIGTERM
 helpers: every frame in gangrun or ``threading``) come after them
-(`gangrun.wire.stacks.user_threads_first`). Used by ``handle.stacks()``, ``gangrun stacks RUN`` and the hang guard.
+(`gangrun.wire.stacks.user_threads_first`). Used by ``handle.stacks()``, ``gangrun stacks
+RUN`` and the hang guard.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ the last two fields: progressed, whole world) and returns ``None`` for a torn or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .rundir import RunDir
@@ -48,6 +49,17 @@ class StepReport:
         return line.ljust(SIZE - 1).encode() + b"\n"
 
 
+def open_for_writing(run_dir: str, rank: int) -> int:
+    """The rank's file, opened once (0600) for every `write`. Raises ``OSError``."""
+    return os.open(RunDir(run_dir).progress(rank), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def write(fd: int, report: StepReport) -> None:
+    """Overwrite the report in place: no rename, no fsync (a torn read is None). Raises
+    ``OSError``."""
+    os.pwrite(fd, report.to_bytes(), 0)
+
+
 def read(run_dir: str, rank: int) -> StepReport | None:
     """Caller side: rank ``rank``'s last report, or None (nothing reported, or a torn read)."""
     try:
@@ -81,4 +93,4 @@ def read_all(run_dir: str, world_size: int) -> dict[int, StepReport]:
     return out
 
 
-__all__ = ["SIZE", "StepReport", "read", "read_all"]
+__all__ = ["SIZE", "StepReport", "open_for_writing", "read", "read_all", "write"]
