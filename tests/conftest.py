@@ -184,8 +184,8 @@ def leftovers() -> list[str]:
     anything new under ``~/.cache/gangrun``."""
     import gc
 
+    from gangrun.host.system import reap_stale
     from gangrun.launch.ray.actor import reap_node_leftovers
-    from gangrun.rundir import reap_stale
 
     gc.collect()  # a dropped handle's run directory goes with it
     # what gangrun's next call would remove is not left behind: the run directories of

@@ -30,13 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gangrun import serialization
 from gangrun.launch import GangSpec, RankExit, RankIO, RankSpec
 from gangrun.launch.gang import ProcessGang
 from gangrun.lifecycle.plan import Plan
 from gangrun.lifecycle.supervisor import Supervisor
 from gangrun.options import Options
-from gangrun.records import ErrorRecord
+from gangrun.wire import serialization
+from gangrun.wire.records import ErrorRecord
 
 FAKE_PID = 10_000_000  # above any real pid (pid_max is at most 2**22): never signals a process
 

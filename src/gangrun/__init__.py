@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .rank.heartbeat import heartbeat
     from .rank.interactive import rank_state
     from .rank.progress import report_step
-    from .records import RankFailure
+    from .wire.records import RankFailure
 
 _LAZY = {
     "DistributedCancelledError": "errors",  # made on first use (gangrun.errors.__getattr__)

@@ -17,8 +17,8 @@ import logging
 import os
 import threading
 
-from .contract import LOG_LEVEL as ENV
 from .settings import log_level
+from .wire.contract import LOG_LEVEL as ENV
 
 ROOT = "gangrun"
 _configured = False

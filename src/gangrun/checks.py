@@ -7,8 +7,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .contract import RUN_ID
 from .errors import LaunchError
+from .wire.contract import RUN_ID
 
 
 class LaunchArgumentError(LaunchError, TypeError):

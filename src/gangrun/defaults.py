@@ -23,10 +23,10 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .contract import RUN_ID, option_var
 from .durations import parse_duration
 from .errors import LaunchError
 from .options import GROUPS, ZERO_IS_NONE  # 0 means "no limit" for timeout, hang_timeout
+from .wire.contract import RUN_ID, option_var
 
 # Option names whose GANGRUN_ variable means something else inside gangrun's own processes:
 # never read as an option default. GANGRUN_RUN_ID is the per-call id every rank sees.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .exitcodes import signal_name
+from .wire.exitcodes import signal_name
 
 # Messages that say a peer went away: a rank failing with one is the echo of a peer's death.
 # The root-cause choice ranks such a failure behind every other (`gangrun.lifecycle.rootcause`),
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-    from .records import RankFailure
+    from .wire.records import RankFailure
 
     # what __reduce__ returns: _rebuild and its arguments (class, message, keyword arguments)
     Reduced = tuple[Callable[..., "DistributedError"], tuple[type["DistributedError"], str, dict]]

@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import contract
 from .durations import parse_duration
 from .errors import LaunchError
-from .serialization import DEFAULT_MAX_CAPTURE_BYTES
+from .wire import contract
+from .wire.serialization import DEFAULT_MAX_CAPTURE_BYTES
 
 DEFAULT_TIMEOUT = 10800.0
 _OUTPUT_MODES = ("all", "rank0", "none")

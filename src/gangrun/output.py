@@ -431,7 +431,7 @@ class OutputPump:
 
 def _why(s: _Stream, exc: BaseException) -> str:
     """Why a rank's log file could not be written: a full disk named as such."""
-    from .host.diskspace import full_message, is_full
+    from .wire.diskfull import full_message, is_full
 
     if not is_full(exc):
         return str(exc)

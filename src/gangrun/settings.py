@@ -1,4 +1,4 @@
-"""The caller's process settings (`gangrun.contract.SETTINGS`), each read by one parser.
+"""The caller's process settings (`gangrun.wire.contract.SETTINGS`), each read by one parser.
 
 The modules that use a setting (`gangrun.lifecycle.watch`, `gangrun.tracking.bounded`,
 `gangrun._log`, `gangrun.data.cache`) and ``gangrun info`` read it through `read`, so what
@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import contract
 from .durations import parse_seconds
+from .wire import contract
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ _PARSERS: dict[str, tuple[Callable[[str], object], str]] = {
 
 
 def read(var: str) -> Setting:
-    """The setting ``var`` (one of `gangrun.contract.SETTINGS`) as the process uses it now."""
+    """The setting ``var`` (one of `gangrun.wire.contract.SETTINGS`) as the process uses it now."""
     default = contract.SETTINGS[var][0]
     raw = os.environ.get(var)
     if raw is None or not raw.strip():

@@ -248,8 +248,8 @@ def test_ctrl_c_just_after_the_run_directory_is_made_leaves_none(where, monkeypa
     creation and the call keeping it; the directory was left for good. The interrupt is
     raised here at those two points: inside `rundir.create` just after `mkdtemp`, and just
     after `create` returned to the supervisor."""
-    from gangrun import rundir
     from gangrun.lifecycle import supervisor
+    from gangrun.wire import rundir
 
     tmp = tmp_path / "tmp"
     tmp.mkdir(mode=0o700)

@@ -12,7 +12,7 @@ import rel_funcs
 
 import gangrun
 from gangrun import DistributedError
-from gangrun.security import UnsafePathError, load_private
+from gangrun.wire.security import UnsafePathError, load_private
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gangrun"
 

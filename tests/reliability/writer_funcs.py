@@ -73,7 +73,7 @@ def one_after_another(where: str) -> int:
 
 def location_then_wait(gate: str) -> str:
     """Waits for ``gate``; returns the checkpoint location the rank was given."""
-    from gangrun import contract
+    from gangrun.wire import contract
 
     _wait(gate)
     return os.environ.get(contract.CHECKPOINT_DIR, "")
@@ -82,7 +82,7 @@ def location_then_wait(gate: str) -> str:
 def location_then_fail(gate: str) -> str:
     """Waits for ``gate``, then fails naming the checkpoint location the rank was given (the
     MLflow run ends FAILED, with the error tags a resume clears)."""
-    from gangrun import contract
+    from gangrun.wire import contract
 
     _wait(gate)
     raise RuntimeError(f"stops here; location={os.environ.get(contract.CHECKPOINT_DIR)!r}")

@@ -252,18 +252,18 @@ def test_caller_sigkilled_mid_run(script, tmp_path, monkeypatch):
     assert not pids_alive(pids), "ranks outlived their SIGKILLed caller"
     assert_no_survivors(proc.pid)
     # its run directory (payload, logs) is removed by the next caller of this user
-    import gangrun.rundir
+    import gangrun.host.system
 
     left = [p for p in private_tmp.iterdir() if p.name.startswith("gangrun-")]
     assert len(left) == 1
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
-    monkeypatch.setattr(gangrun.rundir, "_reaped_stale", False)
+    monkeypatch.setattr(gangrun.host.system, "_reaped_stale", False)
     mine = private_tmp / "gangrun-alive"
     mine.mkdir(mode=0o700)
     (mine / "context.json").write_text(
         json.dumps({"caller": gangrun.host.system.process_identity(os.getpid())})
     )
-    assert gangrun.rundir.reap_stale() == [str(left[0])]
+    assert gangrun.host.system.reap_stale() == [str(left[0])]
     assert not left[0].exists() and mine.exists()  # a live caller's directory stays
 
 

@@ -17,7 +17,7 @@ mlflow = pytest.importorskip("mlflow")
 from kernelharness import Kernel, open_kernel  # noqa: E402
 from test_watch import cli, wait_listed  # noqa: E402
 
-from gangrun.contract import SILENT_AFTER, SLOW_AFTER  # noqa: E402
+from gangrun.wire.contract import SILENT_AFTER, SLOW_AFTER  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.mlflow]  # every test here tracks
 

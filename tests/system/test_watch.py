@@ -148,7 +148,7 @@ AS_NOBODY = """
 import os, socket, sys
 import json, logging, tempfile
 import gangrun, gangrun.cli.entry as cli, gangrun.cli.node, gangrun.lifecycle.control
-import gangrun.host.system, gangrun.progress_view, gangrun.rundir
+import gangrun.host.system, gangrun.progress_view, gangrun.wire.rundir
 cli._parsers()  # every module the command needs, loaded while still root (the stdlib is
 # under /root, which another user cannot read)
 run_id, control = sys.argv[1], sys.argv[2]

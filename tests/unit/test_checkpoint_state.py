@@ -60,7 +60,7 @@ def test_preempted_ranks_become_one_error_with_the_resume_line(tmp_path):
 
     from gangrun import DistributedPreemptedError
     from gangrun.lifecycle.checkpoints import check_writable, preempted_error
-    from gangrun.rundir import RunDir
+    from gangrun.wire.rundir import RunDir
 
     rd = RunDir(str(tmp_path))
     assert preempted_error(rd, 2, "call1", "train") is None

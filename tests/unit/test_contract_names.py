@@ -1,4 +1,4 @@
-"""Every ``GANGRUN_*`` name is a constant of `gangrun.contract` (issue 23, item 6).
+"""Every ``GANGRUN_*`` name is a constant of `gangrun.wire.contract` (issue 23, item 6).
 
 Each module of ``src/`` is read with ``ast``: a string constant (an f-string's literal parts
 included) that contains ``GANGRUN_`` outside ``contract.py`` fails, naming the file and line.
@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-CONTRACT = SRC / "gangrun" / "contract.py"
+CONTRACT = SRC / "gangrun" / "wire" / "contract.py"
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -65,13 +65,13 @@ def test_no_gangrun_literal_outside_the_contract():
         for line, text in literals(path.read_text(), str(path)):
             bad.append(f"{path.relative_to(SRC)}:{line}: {text[:60]!r}")
     assert not bad, (
-        "GANGRUN_* names belong in gangrun/contract.py (a constant, documented there); "
+        "GANGRUN_* names belong in gangrun/wire/contract.py (a constant, documented there); "
         "use the constant instead of:\n" + "\n".join(bad)
     )
 
 
 def test_every_contract_constant_is_documented():
-    import gangrun.contract as c
+    import gangrun.wire.contract as c
 
     doc = c.__doc__ or ""
     names = [v for k, v in vars(c).items() if k.isupper() and isinstance(v, str)]
@@ -79,4 +79,4 @@ def test_every_contract_constant_is_documented():
     missing = [
         v for v in names if v.startswith(c.PREFIX) and v != c.PREFIX and f"``{v}``" not in doc
     ]
-    assert not missing, f"not documented in gangrun.contract's docstring: {missing}"
+    assert not missing, f"not documented in gangrun.wire.contract's docstring: {missing}"

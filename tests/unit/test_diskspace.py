@@ -9,8 +9,9 @@ import os
 
 import pytest
 
-from gangrun import LaunchError, serialization
+from gangrun import LaunchError
 from gangrun.host import diskspace
+from gangrun.wire import diskfull, serialization
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
 
@@ -26,8 +27,8 @@ def test_payload_on_a_full_disk_is_a_launch_error_naming_the_directory():
 
 
 def test_only_no_room_counts_as_a_full_disk():
-    assert diskspace.is_full(OSError(errno.ENOSPC, "No space left on device"))
-    assert diskspace.is_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
-    assert not diskspace.is_full(OSError(errno.EACCES, "Permission denied"))
-    assert not diskspace.is_full(TypeError("cannot pickle"))
+    assert diskfull.is_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert diskfull.is_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not diskfull.is_full(OSError(errno.EACCES, "Permission denied"))
+    assert not diskfull.is_full(TypeError("cannot pickle"))
     assert diskspace.free_bytes("/nonexistent/dir") is None

@@ -19,8 +19,8 @@ from gangrun.cli.support import with_log_paths
 from gangrun.launch import RankExit
 from gangrun.lifecycle.rootcause import Candidate, build_error
 from gangrun.options import Options
-from gangrun.records import ErrorRecord
 from gangrun.tracking.plan import context_tags
+from gangrun.wire.records import ErrorRecord
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import gangrun
 from gangrun.rank import interactive_protocol as protocol
 from gangrun.rank.interactive import rank_state
-from gangrun.records import ErrorRecord
+from gangrun.wire.records import ErrorRecord
 
 
 def _run_cell(source: str, ns: dict):

@@ -12,7 +12,7 @@ import pytest
 from fakes import FakeSpawner, fake_process_gang
 from gangrun.errors import LaunchError
 from gangrun.host import system as platform
-from gangrun.rundir import RunDir
+from gangrun.wire.rundir import RunDir
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
 

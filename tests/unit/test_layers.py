@@ -41,12 +41,9 @@ LAYERS: dict[str, int] = {
     # the rank side: runs inside rank processes (fresh, forked by the fork server, on Ray)
     "gangrun.rank": RANK,
     # platform-level helpers, usable from every layer and inside ranks
-    "gangrun.records": PLATFORM,
+    "gangrun.wire": PLATFORM,  # every format that crosses a process boundary (wire/)
     "gangrun.host": PLATFORM,  # what this machine has (host/: system, accelerators, locks...)
-    "gangrun.rundir": PLATFORM,
-    "gangrun.contract": PLATFORM,
     "gangrun.version": PLATFORM,
-    "gangrun.exitcodes": PLATFORM,
     "gangrun.options": PLATFORM,  # the typed settings record every layer reads
     "gangrun.progress_view": PLATFORM,  # progress records and their formatting
     "gangrun._log": PLATFORM,
@@ -54,8 +51,6 @@ LAYERS: dict[str, int] = {
     "gangrun.durations": PLATFORM,  # "10m": the one parser of every duration
     "gangrun._compat_imports": PLATFORM,
     "gangrun.errors": PLATFORM,  # a leaf: the notebook registers the HTML renderer
-    "gangrun.serialization": PLATFORM,
-    "gangrun.security": PLATFORM,
     "gangrun.output": PLATFORM,
     "gangrun.output_fold": PLATFORM,  # a peer's death echoed in a traceback: one line
     "gangrun.tracking": PLATFORM,  # MLflow, caller side (the rank's part: gangrun.rank)

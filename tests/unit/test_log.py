@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_python
 from gangrun import _log
-from gangrun.contract import LOG_LEVEL
+from gangrun.wire.contract import LOG_LEVEL
 
 CODE = (
     "from gangrun._log import get_logger; log = get_logger('launch'); "

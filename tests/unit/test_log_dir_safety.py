@@ -13,7 +13,7 @@ import stat
 import pytest
 
 from gangrun.errors import LaunchError
-from gangrun.security import make_private_dir, open_log
+from gangrun.wire.security import make_private_dir, open_log
 
 OTHER = 65534
 

@@ -10,7 +10,7 @@ import time
 
 from gangrun.output import OutputPump
 from gangrun.output_fold import HOLD_S, Fold
-from gangrun.rank.stacks import user_threads_first
+from gangrun.wire.stacks import user_threads_first
 
 ECHO_TB = (
     "Traceback (most recent call last):\n"

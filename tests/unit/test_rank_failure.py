@@ -24,9 +24,9 @@ from gangrun.launch.ray.spawner import lost_actor
 from gangrun.lifecycle.collect import RankFiles
 from gangrun.lifecycle.policy import is_transient_exception
 from gangrun.lifecycle.rootcause import rank_failure
-from gangrun.records import ErrorRecord, RankFailure
-from gangrun.rundir import RunDir
-from gangrun.serialization import atomic_dump
+from gangrun.wire.records import ErrorRecord, RankFailure
+from gangrun.wire.rundir import RunDir
+from gangrun.wire.serialization import atomic_dump
 
 SIGKILL = -signal.SIGKILL
 

@@ -12,7 +12,7 @@ import pytest
 from gangrun import LaunchError
 from gangrun.launch.ray import diagnose, ship, versions
 from gangrun.launch.ray.records import ActorContext, FilesIdentity, NodeInfo, ShipMap
-from gangrun.records import ErrorRecord
+from gangrun.wire.records import ErrorRecord
 
 
 def _tree(root, files: dict[str, str]) -> None:
@@ -141,7 +141,7 @@ def test_missing_file_on_a_node_names_it_and_the_fix(tmp_path):
 def test_the_actor_context_is_records_all_the_way(tmp_path):
     import dataclasses
 
-    from gangrun.records import RankContext
+    from gangrun.wire.records import RankContext
 
     fields = {f.name: f.type for f in dataclasses.fields(ActorContext)}
     assert not [n for n, t in fields.items() if "dict" in str(t)], fields

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from gangrun.security import credentials, redact
 from gangrun.tracking.bounded import health_request
 from gangrun.tracking.plan import run_link
+from gangrun.wire.security import credentials, redact
 
 SECRET = "s3cret"
 

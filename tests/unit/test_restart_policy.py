@@ -17,7 +17,7 @@ from gangrun.errors import DistributedCancelledError, DistributedError, Distribu
 from gangrun.lifecycle.attempts import annotate, attempts_json
 from gangrun.lifecycle.policy import AttemptFacts, Decision, RestartPolicy
 from gangrun.lifecycle.state import State
-from gangrun.records import user_frame
+from gangrun.wire.records import user_frame
 
 F = State.FAILED
 AT = "train.py:12 in step"
@@ -242,7 +242,7 @@ def test_an_unavailable_nccl_stops_at_once_even_after_progress(exc_type, message
 def test_peer_echoes_are_one_list_with_the_transient_texts():
     from gangrun.lifecycle import rootcause
     from gangrun.lifecycle.policy import PEER_ECHO_TEXT, TRANSIENT_TEXT, is_transient_exception
-    from gangrun.records import RankFailure
+    from gangrun.wire.records import RankFailure
 
     assert set(PEER_ECHO_TEXT) <= set(TRANSIENT_TEXT)
     echo = RankFailure(1, 1, None, "RuntimeError", "[..] Connection reset by peer", None, 0.0)
@@ -255,9 +255,9 @@ def test_a_preemption_while_the_attempt_fails_ends_it_preempted_not_restarted(
 ):
     """Asked to save and stop, the ranks failed first (a rank killed): no restart, and no
     wait for ``grace_period``; the call is preempted, from the last complete checkpoint."""
-    from gangrun import contract
     from gangrun.errors import DistributedPreemptedError
     from gangrun.lifecycle import supervisor as sv
+    from gangrun.wire import contract
 
     where = str(tmp_path / "ckpt")  # no checkpoint was saved yet
     monkeypatch.setattr(sv, "prepare", lambda sup: {contract.CHECKPOINT_DIR: where})

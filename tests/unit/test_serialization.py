@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from gangrun import LaunchError, serialization
+from gangrun import LaunchError
+from gangrun.wire import serialization
 
 BIG = b"x" * (3 << 20)
 

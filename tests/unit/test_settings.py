@@ -13,12 +13,13 @@ import json
 import pytest
 
 import gangrun
-from gangrun import LaunchError, contract
+from gangrun import LaunchError
 from gangrun import defaults as d
 from gangrun.launch import GangSpec, RankSpec
 from gangrun.launch.forkserver.client import RETRY_FIRST_S, RETRY_MAX_S, Registry
 from gangrun.launch.gang import start_method
 from gangrun.options import ForkServerOptions, Options, RayOptions, settings_of
+from gangrun.wire import contract
 
 GROUP_VARS = [
     m["env"]

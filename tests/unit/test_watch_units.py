@@ -20,8 +20,8 @@ from gangrun.notebook import charts, html
 from gangrun.notebook.state import CallState
 from gangrun.progress_view import Progress, RankProgress, summary_line
 from gangrun.rank import progress
-from gangrun.rank.progress import StepReport
 from gangrun.tracking.plan import run_link
+from gangrun.wire.progress import StepReport, read
 
 
 def rep(rank, step, t, total=1000, first=(0, 0.0)):
@@ -75,9 +75,9 @@ def test_flush_writes_the_report_the_throttle_held_back(tmp_path):
     progress.bind(str(tmp_path), 0)
     progress.report_step(1, 10)
     progress.report_step(10, 10)  # within MIN_INTERVAL_S: held back
-    assert progress.read(str(tmp_path), 0).step == 1
+    assert read(str(tmp_path), 0).step == 1
     progress.flush()
-    assert progress.read(str(tmp_path), 0).step == 10
+    assert read(str(tmp_path), 0).step == 10
 
 
 def test_aggregate_merges_ranks_per_step_and_caps_points():

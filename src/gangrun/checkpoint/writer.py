@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import LaunchError
 from ..host.system import process_identity
-from ..records import pid_namespace
+from ..wire.records import pid_namespace
 
 LOCK_NAME = ".gangrun-writer"
 _TRIES = 5

@@ -31,7 +31,7 @@ import signal
 import sys
 from typing import Any
 
-from .. import contract
+from ..wire import contract
 from .support import (
     module_file,
     option_rows,
@@ -303,7 +303,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
     from ..errors import DistributedError
     from ..host import accelerators
     from ..lifecycle.plan import plan_local, rank_specs
-    from ..security import redact
+    from ..wire.security import redact
     from .options import options_from_args, speak_cli
 
     devs = accelerators.detect()

@@ -25,16 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from ..wire import call as call_file
+from ..wire import control
+from ..wire.call import CallEntry
 
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE = 0, 1, 2
 COMMANDS = ("ps", "logs", "stacks", "stop")
-_ENDED = ("succeeded", "failed", "cancelled", "timed_out", "hung")
 
 
 @dataclass
@@ -42,46 +44,32 @@ class CallRef:
     """One call found on this node."""
 
     run_dir: str
-    rec: dict[str, Any]
+    rec: CallEntry
     alive: bool  # its caller process is still the one that wrote the record
 
     @property
     def run_id(self) -> str:
-        return str(self.rec.get("run_id") or "")
+        return self.rec.run_id
 
     @property
     def mlflow_run_id(self) -> str:
-        return str(self.rec.get("mlflow_run_id") or "")
+        return self.rec.mlflow_run_id or ""
 
     @property
     def state(self) -> str:
-        state = str(self.rec.get("state") or "?")
-        if not self.alive and state not in _ENDED:
+        if not self.alive and not self.rec.ended:
             return "caller gone"
-        return state
+        return self.rec.state or "?"
 
     @property
     def running(self) -> bool:
-        return self.alive and self.state not in _ENDED
+        return self.alive and not self.rec.ended
 
 
-def _read_record(run_dir: str, uid: int) -> dict[str, Any] | None:
-    from ..rundir import RunDir
+def _read_record(run_dir: str, uid: int) -> CallEntry | None:
+    from ..wire.rundir import RunDir
 
-    try:
-        fd = os.open(RunDir(run_dir).call_record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_uid != uid:
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    return raw if isinstance(raw, dict) else None
+    return call_file.read(RunDir(run_dir).call_record, uid)
 
 
 def find_calls(tmp: str | None = None) -> list[CallRef]:
@@ -94,10 +82,10 @@ def find_calls(tmp: str | None = None) -> list[CallRef]:
         rec = _read_record(path, uid)
         if rec is None:
             continue
-        pid = int(rec.get("caller_pid") or 0)
-        alive = bool(pid) and process_identity(pid) == rec.get("caller")
+        pid = rec.caller_pid
+        alive = bool(pid) and process_identity(pid) == rec.caller
         out.append(CallRef(path, rec, alive))
-    out.sort(key=lambda c: float(c.rec.get("started") or 0))
+    out.sort(key=lambda c: c.rec.started)
     return out
 
 
@@ -130,7 +118,7 @@ def function_names(function: str) -> set[str]:
 
 
 def _listed(calls: list[CallRef]) -> str:
-    return ", ".join(f"{c.run_id} ({c.rec.get('function') or '?'}, {c.state})" for c in calls)
+    return ", ".join(f"{c.run_id} ({c.rec.function or '?'}, {c.state})" for c in calls)
 
 
 def resolve(run: str, calls: list[CallRef]) -> CallRef:
@@ -143,7 +131,7 @@ def resolve(run: str, calls: list[CallRef]) -> CallRef:
     for c in calls:
         if want in (c.run_id, c.mlflow_run_id):  # (an empty MLflow run id matches nothing)
             return c
-    named = [c for c in calls if want in function_names(str(c.rec.get("function") or ""))]
+    named = [c for c in calls if want in function_names(c.rec.function)]
     named = [c for c in named if c.running] or named  # the live call(s) of that name first
     prefixed = (
         [c for c in calls if any(i.startswith(want) for i in (c.run_id, c.mlflow_run_id) if i)]
@@ -167,34 +155,22 @@ def resolve(run: str, calls: list[CallRef]) -> CallRef:
     )
 
 
-def _ask(c: CallRef, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _ask(c: CallRef, request: control.Request, timeout: float) -> control.Reply:
     """One request on the call's control socket; its answer."""
-    from ..rundir import RunDir
+    from ..wire.rundir import RunDir
 
     path = RunDir(c.run_dir).control_socket
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
     try:
-        s.connect(path)
-        try:
-            s.sendall(json.dumps(request).encode() + b"\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused before the request was read: the answer says why
-        line = s.makefile("rb").readline()
+        reply = control.ask(path, request, timeout)
     except OSError as exc:
         raise Unknown(
-            f"the caller of {c.run_id} (pid {c.rec.get('caller_pid')}) does not answer on "
-            f"{path}: {exc}"
+            f"the caller of {c.run_id} (pid {c.rec.caller_pid}) does not answer on {path}: {exc}"
         ) from None
-    finally:
-        s.close()
-    try:
-        reply = json.loads(line)
     except ValueError:
         raise Unknown(f"the caller of {c.run_id} closed the connection") from None
-    if not reply.get("ok"):
-        raise Unknown(str(reply.get("error") or "refused"))
-    return dict(reply)
+    if not reply.ok:
+        raise Unknown(reply.error or "refused")
+    return reply
 
 
 def _elapsed(s: float) -> str:
@@ -210,9 +186,9 @@ def cmd_ps(ns: argparse.Namespace) -> int:
         if not fn:
             print("gangrun ps: --function needs a function's name", file=sys.stderr)
             return EXIT_USAGE
-        calls = [c for c in calls if fn in function_names(str(c.rec.get("function") or ""))]
+        calls = [c for c in calls if fn in function_names(c.rec.function)]
     if ns.json:
-        print(json.dumps([dict(c.rec, state=c.state) for c in calls], indent=2))
+        print(json.dumps([replace(c.rec, state=c.state).to_dict() for c in calls], indent=2))
         return EXIT_OK
     if not calls:
         which = f" of function {fn!r}" if fn is not None else ""
@@ -225,36 +201,36 @@ def cmd_ps(ns: argparse.Namespace) -> int:
     now = time.time()
     for c in calls:
         r = c.rec
-        gpus = ",".join(str(g) for g in r.get("gpus") or []) or "-"
+        gpus = ",".join(str(g) for g in r.gpus) or "-"
         state = c.state
-        if int(r.get("max_restarts") or 0):
-            state += f" ({int(r.get('attempt') or 0) + 1}/{int(r['max_restarts']) + 1})"
+        if r.max_restarts:
+            state += f" ({r.attempt + 1}/{r.max_restarts + 1})"
         rows.append(
             (
                 c.run_id,
-                str(r.get("function") or "?")[:40],
-                str(r.get("world_size") or "?"),
+                (r.function or "?")[:40],
+                str(r.world_size or "?"),
                 gpus,
-                _elapsed(now - float(r.get("started") or now)),
+                _elapsed(now - (r.started or now)),
                 state,
                 c.mlflow_run_id or "-",
-                f"{r.get('caller_pid')} {r.get('caller_kind') or ''}".strip(),
+                f"{r.caller_pid or None} {r.caller_kind}".strip(),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row, call in zip(rows, [None, *calls], strict=True):
         print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-        held = call.rec.get("checkpoint_dir") if call is not None and call.running else None
+        held = call.rec.checkpoint_dir if call is not None and call.running else None
         if held:  # one writer per location: this call holds it (docs/long_runs.md)
             print(f"  checkpoints: {held} (held by this call)")
     return EXIT_OK
 
 
 def _log_files(c: CallRef, rank: int | None) -> dict[int, str]:
-    from ..rundir import log_path
+    from ..wire.rundir import log_path
 
-    n = int(c.rec.get("world_size") or 0)
-    log_dir = str(c.rec.get("log_dir") or os.path.join(c.run_dir, "logs"))
+    n = c.rec.world_size
+    log_dir = c.rec.log_dir or os.path.join(c.run_dir, "logs")
     if rank is not None and not 0 <= rank < n:
         raise Unknown(f"--rank must be in 0..{n - 1} for {c.run_id}, got {rank}")
     ranks = [rank] if rank is not None else list(range(n))
@@ -312,18 +288,18 @@ def _still_running(c: CallRef) -> bool:
     if rec is None:
         return False
     c.rec = rec
-    c.alive = process_identity(int(rec.get("caller_pid") or 0)) == rec.get("caller")
+    c.alive = process_identity(rec.caller_pid) == rec.caller
     return c.running
 
 
 def cmd_stacks(ns: argparse.Namespace, c: CallRef) -> int:
     # the caller waits at most ns.timeout for the dumps; the socket allows for its answer
-    reply = _ask(c, {"op": "stacks", "timeout": ns.timeout}, timeout=ns.timeout + 10)
-    got = reply.get("stacks") or {}
+    request = control.Request(control.STACKS, timeout=ns.timeout)
+    got = _ask(c, request, timeout=ns.timeout + 10).stacks
     if not got:
         print(f"gangrun: {c.run_id}: no live rank answered (still starting, or ending)")
         return EXIT_NOT_FOUND
-    pids = c.rec.get("pids") or {}
+    pids = c.rec.pids
     for r in sorted(got, key=int):
         print(f"--- rank {r} (pid {pids.get(r, '?')}) ---")
         print(got[r] or "(no stack dump: the rank did not answer SIGUSR1)")
@@ -332,13 +308,15 @@ def cmd_stacks(ns: argparse.Namespace, c: CallRef) -> int:
 
 def cmd_stop(ns: argparse.Namespace, c: CallRef) -> int:
     by = f"pid {os.getpid()}"
-    reply = _ask(c, {"op": "stop", "by": by}, timeout=ns.timeout)
-    if not reply.get("done"):
+    reply = _ask(c, control.Request(control.STOP, by=by), timeout=ns.timeout)
+    if not reply.done:
         print(f"gangrun: {c.run_id} is still stopping (asked {ns.timeout:g}s ago)")
         return EXIT_NOT_FOUND
-    mlflow = reply.get("mlflow_run_id")
-    status = f"; MLflow run {mlflow} is {reply.get('mlflow_status')}" if mlflow else ""
-    print(f"gangrun: stopped {c.run_id} ({c.rec.get('function')}): every rank was stopped{status}.")
+    mlflow = reply.mlflow_run_id
+    status = f"; MLflow run {mlflow} is {reply.mlflow_status}" if mlflow else ""
+    print(
+        f"gangrun: stopped {c.run_id} ({c.rec.function or None}): every rank was stopped{status}."
+    )
     return EXIT_OK
 
 

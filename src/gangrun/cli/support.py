@@ -152,7 +152,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def setting_rows() -> dict[str, dict[str, Any]]:
-    """The caller's process settings (`gangrun.contract.SETTINGS`): the value in force and
+    """The caller's process settings (`gangrun.wire.contract.SETTINGS`): the value in force and
     its source; a variable whose value was rejected also has ``rejected`` (value, why)."""
     from .. import settings
 

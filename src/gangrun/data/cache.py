@@ -16,7 +16,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 
-from ..contract import CACHE_DIR
+from ..wire.contract import CACHE_DIR
 from .listing import O_CLOEXEC, read_fd
 
 _OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)  # Linux

@@ -1,23 +1,13 @@
-"""A full disk, said as such: which file could not be written, and whose disk is full.
-
-Rank-side safe (stdlib only). Every writer of the run directory uses it: the caller's payload
-and context (a [`LaunchError`][gangrun.errors.LaunchError]), a rank's result and error record (the
-rank's error names the directory, the ``OSError`` is its cause), the rank logs (a warning),
-and the caller's root-cause report for a rank that could not even write its error record.
+"""How much room a disk has now: the caller's root-cause report for a rank that could not even
+write its error record (the disk was full when it tried). Telling a full disk from an error, and
+saying so, is `gangrun.wire.diskfull`'s.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 
-FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 NEARLY_FULL = 1 << 20  # bytes free under which a disk counts as full after the fact
-
-
-def is_full(exc: BaseException) -> bool:
-    """``exc`` says the disk (or the user's quota) has no room left."""
-    return isinstance(exc, OSError) and exc.errno in FULL
 
 
 def free_bytes(path: str) -> int | None:
@@ -34,15 +24,4 @@ def looks_full(path: str) -> bool:
     return free is not None and free < NEARLY_FULL
 
 
-def full_message(what: str, path: str, exc: BaseException) -> str:
-    """``could not write <what>: the disk of <dir> is full (...)`` and what to do."""
-    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
-    reason = getattr(exc, "strerror", None) or str(exc)
-    return (
-        f"could not write {what}: the disk of {directory} is full ({reason}). "
-        "Free space there, or point TMPDIR (where run directories go) or log_dir= at a disk "
-        "with room."
-    )
-
-
-__all__ = ["FULL", "is_full", "free_bytes", "looks_full", "full_message"]
+__all__ = ["free_bytes", "looks_full"]

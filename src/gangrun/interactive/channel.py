@@ -23,9 +23,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import contract
 from ..errors import DistributedError, DistributedTimeoutError, LaunchError
 from ..rank import interactive_protocol as protocol
+from ..wire import contract
 from .outcome import wrapped
 
 if TYPE_CHECKING:

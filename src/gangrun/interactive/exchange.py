@@ -17,7 +17,7 @@ import time
 from ..api import RunHandle
 from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
 from ..rank import interactive_protocol as protocol
-from ..records import ErrorRecord
+from ..wire.records import ErrorRecord
 from .outcome import PerRank, failure
 
 log = logging.getLogger("gangrun.interactive")

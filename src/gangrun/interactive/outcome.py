@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import DistributedError, GangError
 from ..lifecycle.rootcause import rank_failure
-from ..records import ErrorRecord, RankFailure
+from ..wire.records import ErrorRecord, RankFailure
 
 log = logging.getLogger("gangrun.interactive")
 

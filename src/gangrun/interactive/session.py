@@ -28,13 +28,14 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import contract, serialization, settings
+from .. import settings
 from ..api import RunHandle, distributed
 from ..errors import DistributedError, GangError, LaunchError
 from ..lifecycle import calls
 from ..options import DEFAULT_TIMEOUT, Options
 from ..rank import interactive_protocol as protocol
 from ..rank.interactive import gang
+from ..wire import contract, serialization
 from .channel import Listener, release
 from .exchange import Exchanges
 from .outcome import PerRank, wrapped

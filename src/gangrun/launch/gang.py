@@ -20,7 +20,8 @@ import time
 from typing import IO, TYPE_CHECKING
 
 from ..host import system as platform
-from ..rundir import RunDir, log_path
+from ..wire.rundir import RunDir, log_path
+from ..wire.stop import mark_teardown
 from . import ExitSink, GangSpec, LostRank, RankExit, RankIO, RankProcess, RankSpec, Spawner
 from .limits import check_env
 from .spawn import SpawnSpawner, close_fds
@@ -35,7 +36,7 @@ _START_METHODS = ("auto", "spawn", "forkserver")
 def open_log(log_dir: str, rank: int) -> IO[bytes]:
     """Rank ``rank``'s log file (appended to across restarts; 0600; never through a symlink
     or into a file of another user: docs/security.md)."""
-    from ..security import open_log as open_private_log
+    from ..wire.security import open_log as open_private_log
 
     return open_private_log(log_path(log_dir, rank))
 
@@ -84,11 +85,11 @@ def choose_spawner(spec: GangSpec) -> Spawner:
 
 def _mark_teardown(run_dir: str) -> None:
     """Tell ranks that handle SIGTERM (a `gangrun.Checkpointer` is active) that this
-    SIGTERM is the teardown, not a preemption: they die at once (checkpoint/stop.py)."""
+    SIGTERM is the teardown, not a preemption: they die at once (rank/stop.py)."""
     if not run_dir:
         return
     try:
-        os.close(os.open(RunDir(run_dir).stop_teardown, os.O_WRONLY | os.O_CREAT, 0o600))
+        mark_teardown(RunDir(run_dir))
     except OSError:  # the run directory is gone: no rank can be reading it either
         pass
 

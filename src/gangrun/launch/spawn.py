@@ -15,8 +15,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from .. import contract
 from ..host.system import signal_tree
+from ..wire import contract
 from . import GangSpec, RankIO, RankProcess, RankSpec
 
 GANGRUN_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

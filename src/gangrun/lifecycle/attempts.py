@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._log import get_logger
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..options import Options
-from ..rank import progress
+from ..wire import progress
+from ..wire.tags import TAG_ATTEMPTS, TAG_RESTART_STOP
 from .policy import AttemptFacts, Decision, RestartPolicy, Verdict
 from .state import Attempt, CancelRequested, State
 
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 # get_logger applies GANGRUN_LOG_LEVEL (DEBUG/INFO: each decision, the back-off, on stderr)
 log = get_logger("gangrun.lifecycle.restarts")
 
-TAG_ATTEMPTS = "gangrun.attempts"  # how many attempts ran (MLflow tag)
-TAG_RESTART_STOP = "gangrun.restarts_stopped"  # why the restarts stopped (a failed call)
 ARTIFACT = "gangrun_attempts.json"
 _MAX_MESSAGE = 1000
 

@@ -16,21 +16,21 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import signal
 import threading
-import time
 import uuid
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .. import contract
 from ..checkpoint.writer import WriterLock, acquire
 from ..errors import DistributedPreemptedError, LaunchError
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire import stop as stop_files
+from ..wire.rundir import RunDir
+from ..wire.tags import TAG_DIR, TAG_LATEST
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -60,8 +60,6 @@ class Supervisor(Protocol):
 
 log = logging.getLogger("gangrun.lifecycle.checkpoints")
 
-TAG_DIR = "gangrun.checkpoint_dir"
-TAG_LATEST = "gangrun.checkpoint_latest"  # written by rank 0 after each commit (rank/checkpointer)
 _MARGIN_S = 2.0  # beyond grace_period: a rank's exit and the caller's reading of it
 _held_lock = threading.Lock()
 _held: dict[str, WriterLock] = {}  # call run id -> the location it holds
@@ -189,8 +187,7 @@ def request_stop(sup: Supervisor, wait: float | None) -> bool:
     period. True if the call was still running."""
     if sup.done() or sup.rundir is None:
         return False
-    with open(sup.rundir.stop_request, "w") as f:
-        f.write(f"{time.time():.6f}\n")
+    stop_files.request(sup.rundir)
     grace = float(sup.opts.grace_period) + _MARGIN_S
 
     def deadline() -> None:
@@ -206,17 +203,11 @@ def preempted_error(
     rundir: RunDir, world: int, run_id: str, fn_name: str
 ) -> DistributedPreemptedError | None:
     """The call's DistributedPreemptedError when its ranks stopped after saving, else None."""
-    records = {}
-    for r in range(world):
-        try:
-            with open(rundir.stopped(r)) as f:
-                records[r] = json.load(f)
-        except (OSError, ValueError):
-            continue
+    records = {r: rec for r in range(world) if (rec := stop_files.read_stopped(rundir, r))}
     if not records:
         return None
     first = records[min(records)]
-    step, ckpt, mlflow_id = first.get("step"), first.get("checkpoint"), first.get("mlflow_run_id")
+    step, ckpt, mlflow_id = first.step, first.checkpoint, first.mlflow_run_id
     line = resume_line(fn_name, mlflow_id, str(ckpt).rsplit("/", 1)[0])
     return DistributedPreemptedError(
         f"{fn_name} was preempted: every rank saved step {step} to {ckpt} and stopped. "

@@ -9,12 +9,12 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import security
 from ..errors import DistributedCancelledError, DistributedError, DistributedTimeoutError
 from ..host import diskspace
 from ..launch import RankExit
-from ..records import ErrorRecord, RankFailure
-from ..rundir import RunDir
+from ..wire import security
+from ..wire.records import ErrorRecord, RankFailure
+from ..wire.rundir import RunDir
 from .rootcause import Candidate, build_error, is_peer_echo, pick, rank_failure
 from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, RankExited, State
 

@@ -3,11 +3,11 @@
 For ``gangrun ps / logs / stacks / stop`` in another terminal (`gangrun.cli.node`), every
 call of this process writes, into its private run directory (0700):
 
-``call.json`` (0600, replaced atomically at each transition)
+``call.json`` (0600, replaced atomically at each transition: `gangrun.wire.call`)
     run id, function, ranks and their pids, GPUs, start time, state, attempt, the MLflow run,
     the log directory, the checkpoint location it holds, and the caller: pid, process
     identity, and what it is (a Jupyter kernel, ``gangrun run``, or a Python script).
-``control`` (a Unix socket, 0600)
+``control`` (a Unix socket, 0600; its messages: `gangrun.wire.control`)
     served by one thread of the caller for the call's lifetime. A request is one JSON line:
     ``{"op": "stop"}`` cancels the call exactly as ``handle.cancel()`` does (the same
     teardown, a ``DistributedCancelledError`` naming who stopped it, the MLflow run KILLED)
@@ -20,7 +20,6 @@ call of this process writes, into its private run directory (0700):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -29,11 +28,14 @@ import struct
 import sys
 import threading
 import time
-from typing import Any
 
 from ..host.system import process_identity
-from ..rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
-from ..security import redact
+from ..wire import call as call_file
+from ..wire import control as messages
+from ..wire.call import CallEntry
+from ..wire.control import Reply, Request
+from ..wire.rundir import CALL_RECORD, CONTROL_SOCKET, RunDir
+from ..wire.security import redact
 from .checkpoints import location
 from .observers import CallView, Observer
 from .state import State
@@ -88,44 +90,39 @@ class ControlObserver(Observer):
         self._state = "starting"
 
     # ---------------------------------------------------------------- the record
-    def record(self) -> dict[str, Any]:
+    def record(self) -> CallEntry:
         run = self.run
         call, gang, tracker = run.call, run.gang, run.tracker
-        return {
-            "run_id": call.run_id,
-            "function": call.fn_name,
-            "world_size": call.world_size,
-            "gpus": [d.index for d in run.devices],
-            "started": self.started,
-            "state": self._state,
-            "attempt": run.attempt,
-            "max_restarts": call.max_restarts,
-            "pids": {str(r): p for r, p in (dict(gang.pids) if gang is not None else {}).items()},
-            "log_dir": run.log_dir,
-            "run_dir": run.run_dir,
-            "mlflow_run_id": None if tracker is None else tracker.run_id,
-            "tracking_uri": None if tracker is None else redact(tracker.tracking_uri),
-            "experiment_id": None if tracker is None else tracker.experiment_id,
-            "checkpoint_dir": location(call.run_id),  # the location it holds (one writer)
-            "caller_pid": run.owner_pid,
-            "caller": process_identity(run.owner_pid),
-            "caller_kind": self.kind,
-            "caller_argv": [redact(str(a)) for a in sys.argv[:4]],
-            "uid": os.getuid(),
-            "control": self._sock is not None,
-            "updated": time.time(),
-        }
+        return CallEntry(
+            run_id=call.run_id,
+            function=call.fn_name,
+            world_size=call.world_size,
+            gpus=[d.index for d in run.devices],
+            started=self.started,
+            state=self._state,
+            attempt=run.attempt,
+            max_restarts=call.max_restarts,
+            pids={str(r): p for r, p in (dict(gang.pids) if gang is not None else {}).items()},
+            log_dir=run.log_dir,
+            run_dir=run.run_dir,
+            mlflow_run_id=None if tracker is None else tracker.run_id,
+            tracking_uri=None if tracker is None else redact(tracker.tracking_uri),
+            experiment_id=None if tracker is None else tracker.experiment_id,
+            checkpoint_dir=location(call.run_id),  # the location it holds (one writer)
+            caller_pid=run.owner_pid,
+            caller=process_identity(run.owner_pid),
+            caller_kind=self.kind,
+            caller_argv=[redact(str(a)) for a in sys.argv[:4]],
+            uid=os.getuid(),
+            control=self._sock is not None,
+            updated=time.time(),
+        )
 
     def write_record(self) -> None:
         if not self.run.run_dir or os.getpid() != self.run.owner_pid:
             return
-        path = RunDir(self.run.run_dir).call_record
-        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.record(), f)
-            os.rename(tmp, path)
+            call_file.write(RunDir(self.run.run_dir).call_record, self.record())
         except OSError as exc:  # the run directory is gone: nothing to show any more
             log.debug("call %s: cannot write its record: %s", self.run.call.run_id, exc)
 
@@ -207,57 +204,55 @@ class ControlObserver(Observer):
         if uid != os.getuid():
             rid = self.run.call.run_id
             log.warning("call %s: refused a control request from uid %s", rid, uid)
-            _reply(conn, {"ok": False, "error": "refused: this call belongs to another user"})
+            _reply(conn, Reply(ok=False, error="refused: this call belongs to another user"))
             return
         try:
-            req = json.loads(conn.makefile("rb").readline() or b"{}")
-        except (OSError, ValueError):
+            req = Request.from_json(messages.read_line(conn))
+        except OSError:
             return
-        op = req.get("op") if isinstance(req, dict) else None
-        if op == "ping":
-            _reply(conn, {"ok": True, "record": self.record()})
-        elif op == "stacks":
+        if req is None:
+            return
+        if req.op == messages.PING:
+            _reply(conn, Reply(ok=True, record=self.record().to_dict()))
+        elif req.op == messages.STACKS:
             try:
-                got = self.run.watch.stacks(wait=_wait_s(req.get("timeout")))
-                _reply(conn, {"ok": True, "stacks": {str(r): s for r, s in got.items()}})
+                got = self.run.watch.stacks(wait=_wait_s(req.timeout))
+                _reply(conn, Reply(ok=True, stacks={str(r): s for r, s in got.items()}))
             except Exception as exc:
-                _reply(conn, {"ok": False, "error": str(exc)})
-        elif op == "stop":
-            who = str(req.get("by") or "")
+                _reply(conn, Reply(ok=False, error=str(exc)))
+        elif req.op == messages.STOP:
+            who = req.by
             reason = "stopped from the command line (gangrun stop" + (f", {who}" if who else "")
             log.debug("call %s: %s)", self.run.call.run_id, reason)
             self.run.cancel(reason + ")", wait=STOP_WAIT_S)  # the one teardown, as cancel()
             out, tracker = self.run.outcome, self.run.tracker
             _reply(
                 conn,
-                {
-                    "ok": True,
-                    "done": self.run.done(),
-                    "state": out.state.value,
-                    "mlflow_status": out.mlflow_status,
-                    "mlflow_run_id": None if tracker is None else tracker.run_id,
-                    "error": None if out.error is None else str(out.error).splitlines()[0],
-                },
+                Reply(
+                    ok=True,
+                    done=self.run.done(),
+                    state=out.state.value,
+                    mlflow_status=out.mlflow_status,
+                    mlflow_run_id=None if tracker is None else tracker.run_id,
+                    error=None if out.error is None else str(out.error).splitlines()[0],
+                ),
             )
         else:
-            _reply(conn, {"ok": False, "error": f"unknown request {op!r}"})
+            _reply(conn, Reply(ok=False, error=f"unknown request {req.op or None!r}"))
 
 
-def _wait_s(value: Any) -> float:
+def _wait_s(value: float | None) -> float:
     """A request's ``timeout`` (seconds to wait for the ranks' dumps): the client's
     ``--timeout``, within 0.1 s and `STACKS_WAIT_MAX_S`; `STACKS_WAIT_S` when not given."""
-    try:
-        wait = float(value) if value is not None else STACKS_WAIT_S
-    except (TypeError, ValueError):
-        return STACKS_WAIT_S
+    wait = value if value is not None else STACKS_WAIT_S
     if wait != wait:  # NaN
         return STACKS_WAIT_S
     return min(max(wait, 0.1), STACKS_WAIT_MAX_S)
 
 
-def _reply(conn: socket.socket, msg: dict[str, Any]) -> None:
+def _reply(conn: socket.socket, msg: Reply) -> None:
     try:
-        conn.sendall(json.dumps(msg).encode() + b"\n")
+        messages.send(conn, msg)
     except OSError:  # the client gave up
         pass
 

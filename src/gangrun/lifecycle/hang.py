@@ -23,8 +23,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..rank import stacks
-from ..rank.heartbeat import heartbeat_path
-from ..rundir import RunDir, log_path
+from ..wire import heartbeat as beat_file
+from ..wire.rundir import RunDir, log_path
 
 if TYPE_CHECKING:
     from ..errors import DistributedHangError
@@ -34,11 +34,10 @@ def last_progress(run_dir: str, log_dir: str, rank: int, since: float) -> float:
     """When rank ``rank`` last made progress (output, heartbeat, step report), at the
     earliest ``since`` (wall clock)."""
     t = since
-    for p in (
-        log_path(log_dir, rank),
-        heartbeat_path(run_dir, rank),
-        RunDir(run_dir).progress(rank),  # gangrun.report_step()
-    ):
+    beat = beat_file.read(run_dir, rank)
+    if beat is not None:
+        t = max(t, beat.time)
+    for p in (log_path(log_dir, rank), RunDir(run_dir).progress(rank)):  # output, report_step
         try:
             t = max(t, os.stat(p).st_mtime)
         except OSError:  # not written yet: no progress from it
@@ -71,7 +70,7 @@ class HangGuard:
     def booted(self, rank: int) -> bool:
         """The rank installed the guard (heartbeat file, SIGUSR1 stack dump). A rank still
         starting its interpreter is left to the call's ``timeout``: SIGUSR1 would kill it."""
-        return os.path.exists(heartbeat_path(self.run_dir, rank))
+        return beat_file.read(self.run_dir, rank) is not None
 
     def check(self, live_ranks: list[int]) -> list[int]:
         """The live ranks silent for longer than ``hang_timeout`` (empty: all fine)."""

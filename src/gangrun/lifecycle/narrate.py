@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..exitcodes import signal_name
+from ..wire.exitcodes import signal_name
 from .observers import CallView, Observer
 from .state import State
 

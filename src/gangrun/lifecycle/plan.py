@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import contract
 from ..errors import LaunchError
 from ..host.accelerators import Accelerator
 from ..host.system import cpu_count, free_port, process_identity
 from ..launch import RankSpec
 from ..options import Options
-from ..records import RankContext, pid_namespace
+from ..wire import contract
+from ..wire.records import RankContext, pid_namespace
 
 
 @dataclass

@@ -16,7 +16,7 @@ The rules (docs/restarts.md, "Restart rules"), in the order they are applied:
    a. its message says the process group's backend is not available here
       (`UNAVAILABLE_TEXT`: a torch without NCCL, NCCL on a machine without GPUs), or
    b. the same exception type was raised from the same innermost frame of user code
-      (file, line, function; `gangrun.records.user_frame`) on the previous attempt, or
+      (file, line, function; `gangrun.wire.records.user_frame`) on the previous attempt, or
    c. it is not ``SystemExit`` and the attempt made no progress: no rank reported a step
       (``gangrun.report_step``) or a restore that loaded a checkpoint (the checkpoint
       manager's ``progress.report_resumed``; a restore that found none is not progress)

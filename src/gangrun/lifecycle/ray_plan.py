@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .. import contract
 from ..errors import LaunchError
 from ..launch import GangSpec, RayPlacement
 from ..launch.ray.placement import connect, fmt_resources
 from ..launch.ray.ship import upload_runtime_env
 from ..options import Options, setting
+from ..wire import contract
 from .plan import Plan
 
 if TYPE_CHECKING:

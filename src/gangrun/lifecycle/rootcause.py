@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from ..errors import PEER_ECHO_TEXT, DistributedError, signal_name
 from ..launch import RankExit
-from ..records import ErrorRecord, RankFailure
+from ..wire.records import ErrorRecord, RankFailure
 
 log = logging.getLogger("gangrun.lifecycle.rootcause")
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..errors import DistributedError
 from ..launch import RankExit
-from ..records import RankFailure
+from ..wire.call import ENDED
+from ..wire.records import RankFailure
 
 
 class State(enum.Enum):
@@ -41,7 +42,8 @@ class State(enum.Enum):
         return self in _TERMINAL
 
 
-_TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED, State.TIMED_OUT, State.HUNG})
+# the ends, as the node's call record names them (`gangrun ps` tells an ended call by them)
+_TERMINAL = frozenset(State(name) for name in ENDED)
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.PLANNING: frozenset({State.LAUNCHING, State.FAILED, State.CANCELLED}),

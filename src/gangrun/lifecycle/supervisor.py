@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from .. import serialization
+from ..host.system import reap_stale, remove_unrecorded
 from ..launch import Gang, GangSpec, RankExit, open_gang
 from ..options import Options
-from ..records import RankContext
-from ..rundir import RunDir, create, reap_stale, remove_unrecorded
+from ..wire import serialization
+from ..wire.records import RankContext
+from ..wire.rundir import RunDir, create
 from . import calls, monitor
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, release_location, request_stop

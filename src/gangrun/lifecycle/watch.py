@@ -4,7 +4,7 @@ Everything here is read from the run directory on request (the panel's redraw, t
 status line, ``handle.progress()``): no thread of its own, nothing on the training path.
 
 - **Progress** comes from the ranks' step reports (`gangrun.report_step`, read with
-  `gangrun.rank.progress.read_all`). When no rank reports, there is no progress: nothing is
+  `gangrun.wire.progress.read_all`). When no rank reports, there is no progress: nothing is
   guessed. The gang's step is its slowest rank's; the ETA is that rank's remaining steps at
   its recent rate.
 - **A slow rank** is one whose recent rate (over `RATE_WINDOW_S`) stays under
@@ -27,9 +27,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .. import contract
 from ..progress_view import Progress, RankProgress, summary_line
-from ..rank.progress import StepReport, read_all
+from ..wire import contract
+from ..wire.progress import StepReport, read_all
+from ..wire.tags import METRIC_PREFIX, TAG_SLOW_RANKS
 from .observers import CallView, Observer
 from .state import State
 
@@ -43,7 +44,6 @@ SLOW_AFTER_S = 60.0  # ...for this long is slow (GANGRUN_SLOW_AFTER)
 SILENT_AFTER_S = 120.0  # no progress at all for this long: silent (GANGRUN_SILENT_AFTER)
 RATE_WINDOW_S = 20.0  # a rank's current rate: over its reports of the last this many seconds
 MIN_SAMPLE_S = 0.2  # the run directory is read at most this often
-METRIC_PREFIX = "gangrun."  # the final values' metric names (the panel does not chart them)
 
 
 def _seconds(env: str, default: float) -> float:
@@ -272,7 +272,7 @@ def log_final(tracker: Tracker, p: Progress) -> None:
         tracker.client.log_batch(tracker.run_id, metrics=metrics, synchronous=True)
         if p.slow:
             text = ", ".join(f"{r} ({x:.2f}x)" for r, x in sorted(p.slow.items()))
-            tracker.client.set_tag(tracker.run_id, METRIC_PREFIX + "slow_ranks", text)
+            tracker.client.set_tag(tracker.run_id, TAG_SLOW_RANKS, text)
     except Exception as exc:
         log.debug("could not log the final progress: %s", exc)
 

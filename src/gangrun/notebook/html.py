@@ -12,7 +12,7 @@ from html import escape
 from typing import Any
 
 from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
-from ..security import redact
+from ..wire.security import redact
 from . import charts
 from .state import CallSnapshot, RankView
 

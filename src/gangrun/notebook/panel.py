@@ -20,6 +20,7 @@ from typing import Any
 from ..lifecycle.observers import CallView, Observer
 from ..lifecycle.state import State
 from ..progress_view import Progress
+from ..wire.tags import METRIC_PREFIX
 from .html import MAX_SERIES, Series, render_panel, svg_chart
 from .routing import parent_of
 from .state import CallSnapshot, CallState
@@ -27,7 +28,6 @@ from .state import CallSnapshot, CallState
 log = logging.getLogger("gangrun.notebook")
 
 MAX_POINTS = 20_000  # raw values per metric read (the newest); the chart merges them
-METRIC_PREFIX = "gangrun."  # the final progress values gangrun logs (lifecycle/watch.py)
 
 
 def fetch_metrics(

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from ..exitcodes import signal_name
-from ..security import redact
+from ..wire.exitcodes import signal_name
+from ..wire.security import redact
 
 log = logging.getLogger("gangrun.notebook")
 

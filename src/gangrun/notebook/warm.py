@@ -38,7 +38,7 @@ CALL_MODULES = (
     "gangrun.launch.limits",
     "gangrun.launch.forkserver.spawner",
     "gangrun.output",
-    "gangrun.serialization",
+    "gangrun.wire.serialization",
     "gangrun.checks",
     "gangrun.rank.source",
 )

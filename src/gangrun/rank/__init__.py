@@ -1,7 +1,7 @@
 """The rank side: every module that runs inside a rank process.
 
 A rank (a fresh interpreter, a child of the fork server, a Ray rank) imports only this package
-and the platform helpers (`gangrun.records`, `gangrun.rundir`, `gangrun.contract`...), never
+and the platform helpers (the formats of `gangrun.wire`: records, rundir, contract...), never
 the API, the lifecycle or the launchers (`tests/unit/test_layers.py`). The caller side may
 import it: the step-report and stack-dump readers sit next to their writers, and the
 interactive gang's framing is shared by both ends.

@@ -28,7 +28,6 @@ exactly-once metrics and the run's newest-checkpoint tag are the rank's tracking
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -36,15 +35,17 @@ import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
-from .. import contract
 from ..checkpoint import integrity as _integrity
 from ..checkpoint import is_complete, list_checkpoints, remove
 from ..checkpoint import state as _state
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire.rundir import RunDir
+from ..wire.stop import Stopped, write_stopped
+from ..wire.tags import TAG_LATEST
 from . import location, progress
 from . import stop as _stop
 from .checkpoint_io import CheckpointIO
-from .step_metrics import TAG_LATEST, StepMetrics, tag_latest
+from .step_metrics import StepMetrics, tag_latest
 
 PREFIX = "step-"
 
@@ -290,10 +291,8 @@ class Checkpointer:
             self.wait()
         rd = os.environ.get(contract.RUN_DIR)
         if rd:
-            record = {"step": self.step, "checkpoint": self.last, "time": time.time()}
-            record["mlflow_run_id"] = os.environ.get("MLFLOW_RUN_ID")
-            with open(RunDir(rd).stopped(self._rank), "w") as f:
-                json.dump(record, f)
+            record = Stopped(self.step, self.last, time.time(), os.environ.get("MLFLOW_RUN_ID"))
+            write_stopped(RunDir(rd), self._rank, record)
         print(
             f"gangrun: rank {self._rank} checkpointed step {self.step} to {self.last} and stops "
             "(preempted).",

@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Any, Protocol
 
-from .. import contract
 from ..host import system as platform
+from ..wire import contract
 
 PAD_LEN = 32 * 1024  # bytes reserved in the server's environ block for a rank's environment
 

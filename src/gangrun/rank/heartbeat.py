@@ -1,24 +1,19 @@
 """The rank half of the stuck-rank guard (``hang_timeout``): the heartbeat.
 
 A rank counts as making progress when it writes output or calls `heartbeat` (which touches
-``heartbeat.<rank>`` in the private run directory). The caller half, which watches those
+``heartbeat.<rank>`` in the private run directory: `gangrun.wire.heartbeat`). The caller half, which watches those
 files and stops a silent gang, is `gangrun.lifecycle.hang`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
-from ..rundir import RunDir
+from ..wire import heartbeat as beat_file
 
 _MIN_BEAT_INTERVAL_S = 0.25
 _last_beat = 0.0
 _beat_path: str | None = None
-
-
-def heartbeat_path(run_dir: str, rank: int) -> str:
-    return RunDir(run_dir).heartbeat(rank)
 
 
 def heartbeat() -> None:
@@ -32,23 +27,15 @@ def heartbeat() -> None:
     if now - _last_beat < _MIN_BEAT_INTERVAL_S:
         return
     _last_beat = now
-    try:
-        os.utime(path)
-    except FileNotFoundError:
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        except OSError:  # run directory gone (the call is ending): nothing to tell
-            pass
-    except OSError:  # same: a missed beat is harmless
-        pass
+    beat_file.touch(path)
 
 
 def install(run_dir: str, rank: int) -> None:
     """In a rank, when the guard is on: the heartbeat file (the stack dump on SIGUSR1 is
     installed in every rank: `gangrun.rank.stacks.install`)."""
     global _beat_path
-    _beat_path = heartbeat_path(run_dir, rank)
+    _beat_path = beat_file.path(run_dir, rank)
     heartbeat()
 
 
-__all__ = ["heartbeat", "heartbeat_path", "install"]
+__all__ = ["heartbeat", "install"]

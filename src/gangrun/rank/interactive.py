@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import interactive_protocol as protocol
 
 if TYPE_CHECKING:
-    from ..records import ErrorRecord
+    from ..wire.records import ErrorRecord
 
 _state: dict[str, Any] | None = None
 _executing = False
@@ -111,7 +111,7 @@ def _guarded(msg: protocol.Command, ns: dict[str, Any]) -> tuple[bool, Any]:
 
 def _reply(rank: int, ok: bool, value: Any, out_bytes: int) -> protocol.Reply:
     if ok:
-        from .. import serialization
+        from ..wire import serialization
 
         try:
             return protocol.Ok(None if value is None else serialization.dumps(value), out_bytes)

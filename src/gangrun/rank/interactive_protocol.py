@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..records import ErrorRecord
+from ..wire.records import ErrorRecord
 
 HEADER = struct.Struct("!Q")
 PROTOCOL = 5

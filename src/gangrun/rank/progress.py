@@ -14,11 +14,12 @@ Each report says whether the rank has made progress in this attempt (`StepReport
 a reported step or a loaded checkpoint).
 
 Each rank owns one small fixed-size file, ``progress.<rank>`` in the run directory
-(`gangrun.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
+(`gangrun.wire.rundir.RunDir.progress`), overwritten in place with ``pwrite`` (no rename, no
 fsync): a report is a clock read and, at most every `MIN_INTERVAL_S` (and always for the
-first report and a changed total), one 96-byte write; the report the throttle held back last
-is written when the rank ends (`flush`, called by `gangrun.rank.worker`). The caller reads it with
-`read` (a torn or garbled read is ``None``, never an exception). Outside a rank (nothing
+first report and a changed total), one 96-byte write of a `gangrun.wire.progress.StepReport`;
+the report the throttle held back last is written when the rank ends (`flush`, called by
+`gangrun.rank.worker`). The caller reads it with `gangrun.wire.progress.read` (a torn or
+garbled read is ``None``, never an exception). Outside a rank (nothing
 bound), in a forked child of a rank (a DataLoader worker), or once the run
 directory is gone, a report is a no-op.
 """
@@ -27,15 +28,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
-from ..rundir import RunDir
+from ..wire import progress as progress_file
+from ..wire.progress import StepReport
 
 MIN_INTERVAL_S = 0.1
-_SIZE = 96
 
 _fd: int | None = None
 _pid = 0
+_rank = -1  # the bound rank
 _last_write = 0.0
 _first: tuple[int, float] | None = None  # (step, wall time) of this process's first report
 _resumed = -1
@@ -48,35 +49,13 @@ _bound: tuple[str, int, int] | None = None
 _written: tuple[int, int, int, bool] = (-1, -1, -1, False)  # (step, total, resumed, progressed)
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """What one rank last reported (caller side)."""
-
-    rank: int
-    step: int
-    total: int | None  # None: the rank did not say
-    resumed_from: int | None  # the step a checkpoint restore resumed at (None: fresh start)
-    first_step: int  # first reported step of this attempt, and when (wall clock)
-    first_time: float
-    time: float  # wall clock of the last write
-    progressed: bool = True  # a step reported or a checkpoint loaded (not a fresh start alone)
-    saved_world: int | None = None  # ranks that saved the restored checkpoint, when said
-
-    @property
-    def rate(self) -> float | None:
-        """Steps per second since the first report of this attempt (None: too early)."""
-        dt = self.time - self.first_time
-        if dt <= 0 or self.step <= self.first_step:
-            return None
-        return (self.step - self.first_step) / dt
-
-
 def bind(run_dir: str, rank: int) -> None:
     """In a rank (called by `gangrun.rank.worker` at start): reports go to this run
     directory. Only the process that bound reports; its forks (DataLoader workers) do not."""
     global _bound, _fd, _pid, _disabled, _first, _last_write, _resumed, _total, _step, _written
-    global _progressed, _saved_world
+    global _progressed, _saved_world, _rank
     _bound = (run_dir, int(rank), os.getpid())
+    _rank = int(rank)
     _written = (-1, -1, -1, False)
     _fd = None
     _pid = 0
@@ -99,9 +78,7 @@ def _open() -> int | None:
         return None
     run_dir, rank, pid = _bound
     try:
-        _fd = os.open(
-            RunDir(run_dir).progress(rank), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        _fd = progress_file.open_for_writing(run_dir, rank)
     except OSError:
         _disabled = True
         return None
@@ -112,12 +89,19 @@ def _open() -> int | None:
 def _write(fd: int, now: float) -> None:
     global _last_write, _fd, _disabled, _written
     assert _first is not None
-    line = (
-        f"{_step} {_total} {_resumed} {_first[0]} {_first[1]:.6f} {now:.6f} {int(_progressed)} "
-        f"{_saved_world}"
+    report = StepReport(
+        rank=_rank,
+        step=_step,
+        total=None if _total < 0 else _total,
+        resumed_from=None if _resumed < 0 else _resumed,
+        first_step=_first[0],
+        first_time=_first[1],
+        time=now,
+        progressed=_progressed,
+        saved_world=None if _saved_world < 0 else _saved_world,
     )
     try:
-        os.pwrite(fd, line.ljust(_SIZE - 1).encode() + b"\n", 0)
+        progress_file.write(fd, report)
     except OSError:  # run directory gone or disk full: reports are best effort
         os.close(fd)
         _fd = None
@@ -193,46 +177,10 @@ def report_resumed(step: int, saved_world: int | None = None) -> None:
     _write(fd, now)
 
 
-def read(run_dir: str, rank: int) -> StepReport | None:
-    """Caller side: rank ``rank``'s last report, or None (nothing reported, or a torn read)."""
-    try:
-        with open(RunDir(run_dir).progress(rank), "rb") as f:
-            raw = f.read(_SIZE)
-        step, total, resumed, first_step, first_time, t, *more = raw.decode().split()
-        if len(more) > 2:
-            return None
-        return StepReport(
-            rank=rank,
-            step=int(step),
-            total=None if int(total) < 0 else int(total),
-            resumed_from=None if int(resumed) < 0 else int(resumed),
-            first_step=int(first_step),
-            first_time=float(first_time),
-            time=float(t),
-            progressed=more[:1] != ["0"],
-            saved_world=int(more[1]) if len(more) > 1 and int(more[1]) > 0 else None,
-        )
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
-def read_all(run_dir: str, world_size: int) -> dict[int, StepReport]:
-    """Every rank's last report (ranks that reported nothing are absent)."""
-    out = {}
-    for r in range(world_size):
-        rep = read(run_dir, r)
-        if rep is not None:
-            out[r] = rep
-    return out
-
-
 __all__ = [
-    "StepReport",
     "report_step",
     "report_resumed",
     "report_fresh_start",
     "flush",
-    "read",
-    "read_all",
     "MIN_INTERVAL_S",
 ]

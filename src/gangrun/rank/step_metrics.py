@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-TAG_LATEST = "gangrun.checkpoint_latest"  # set by rank 0 after each commit
+from ..wire.tags import TAG_LATEST  # set by rank 0 after each commit
 
 Entry = tuple[int, int, dict[str, float]]  # (step, time in ms, metrics)
 

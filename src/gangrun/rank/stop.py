@@ -31,8 +31,9 @@ import os
 import signal
 import threading
 
-from .. import contract
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire.rundir import RunDir
+from ..wire.stop import requested, tearing_down
 
 _flag = threading.Event()
 _installed = False
@@ -53,7 +54,7 @@ def should_stop() -> bool:
     if _flag.is_set():
         return True
     rd = _run_dir()
-    if rd is not None and os.path.exists(rd.stop_request):
+    if rd is not None and requested(rd):
         _flag.set()
         return True
     return False
@@ -79,7 +80,7 @@ def _die_now() -> None:
 def _die_if_teardown() -> None:
     """gangrun's own teardown (or no run directory to tell): die at once, as SIGTERM would."""
     rd = _run_dir()
-    if rd is None or os.path.exists(rd.stop_teardown):
+    if rd is None or tearing_down(rd):
         _die_now()
 
 

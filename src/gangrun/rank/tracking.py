@@ -122,7 +122,7 @@ class RankRuns:
         except Exception as exc:  # the data is lost either way; the rank still exits
             log.warning("MLflow flush_artifact_async_logging failed in the rank: %s", exc)
         status = "FINISHED" if succeeded else "FAILED"
-        from ..security import redact
+        from ..wire.security import redact
 
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
         if redact(uri) != uri:  # ending a run, MLflow prints its link: not with a password

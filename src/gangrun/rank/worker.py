@@ -23,10 +23,10 @@ import time
 import traceback
 from collections.abc import Callable
 
-from .. import contract
 from ..host import system as platform
-from ..records import ErrorRecord, RankContext, user_frame
-from ..rundir import RunDir
+from ..wire import contract
+from ..wire.records import ErrorRecord, RankContext, user_frame
+from ..wire.rundir import RunDir
 
 # Functions called (in order) right before a rank exits; e.g. flush MLflow's async queue.
 before_exit: list[Callable[[], None]] = []
@@ -139,7 +139,7 @@ def _message(exc: BaseException) -> str:
 def error_record(
     rank: int, exc: BaseException, tb_text: str, *, exitcode: int | None = None
 ) -> ErrorRecord:
-    from .. import serialization
+    from ..wire import serialization
 
     exc_bytes: bytes | None
     try:
@@ -165,8 +165,7 @@ def error_record(
 def _write_error(run_dir: str, rank: int, record: ErrorRecord) -> None:
     from dataclasses import replace
 
-    from .. import serialization
-    from ..host import diskspace
+    from ..wire import diskfull, serialization
 
     path = error_path(run_dir, rank)
     try:
@@ -178,8 +177,8 @@ def _write_error(run_dir: str, rank: int, record: ErrorRecord) -> None:
             serialization.atomic_dump(replace(record, exc=None), path)
     except OSError as exc:  # no room (or no directory): the caller judges by the exit code
         what = (
-            diskspace.full_message("its error record", path, exc)
-            if diskspace.is_full(exc)
+            diskfull.full_message("its error record", path, exc)
+            if diskfull.is_full(exc)
             else f"could not write its error record {path}: {exc}"
         )
         try:
@@ -227,11 +226,11 @@ def setup_context(run_dir: str) -> None:
 
 def run_rank(run_dir: str, rank: int) -> int:
     """Load the payload, run it, hand the outcome back. Returns the exit code."""
-    from .. import serialization
+    from ..wire import serialization
 
     try:
         setup_context(run_dir)
-        from ..security import load_private
+        from ..wire.security import load_private
 
         fn, args, kwargs = load_private(RunDir(run_dir).payload)
         result = fn(*args, **kwargs)
@@ -260,9 +259,9 @@ def run_rank(run_dir: str, rank: int) -> int:
     try:
         serialization.atomic_dump(result, result_path(run_dir, rank))
     except BaseException as exc:
-        from ..host import diskspace
+        from ..wire import diskfull
 
-        if diskspace.is_full(exc):  # the run directory's disk, not the value
+        if diskfull.is_full(exc):  # the run directory's disk, not the value
             return _result_not_written(run_dir, rank, exc)
         msg = (
             f"rank {rank} returned a value that cannot be serialized "
@@ -285,9 +284,9 @@ def _result_not_written(run_dir: str, rank: int, exc: BaseException) -> int:
     so, names the directory, and keeps the ``OSError`` as its cause."""
     from dataclasses import replace
 
-    from ..host import diskspace
+    from ..wire import diskfull
 
-    msg = f"rank {rank} " + diskspace.full_message("its result", run_dir, exc)
+    msg = f"rank {rank} " + diskfull.full_message("its result", run_dir, exc)
     try:
         print(msg, file=sys.stderr)
     except Exception:  # stderr gone: the error record below still reaches the caller

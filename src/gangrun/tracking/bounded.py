@@ -28,8 +28,8 @@ from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
-from .. import contract
-from ..security import credentials, redact
+from ..wire import contract
+from ..wire.security import credentials, redact
 
 if TYPE_CHECKING:
     import urllib.request

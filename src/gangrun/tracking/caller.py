@@ -26,7 +26,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import LaunchError
-from ..security import credentials, redact
+from ..wire.security import credentials, redact
+from ..wire.tags import (
+    TAG_ERROR,
+    TAG_ERROR_RANK,
+    TAG_ERROR_TYPE,
+    TAG_RESUMES,
+    TAG_RUN_ID,
+    TAG_STATUS_REASON,
+)
 from . import lease
 from .bounded import HealthWatch, TrackingTimeout, bounded, is_server, probe
 from .plan import (
@@ -42,13 +50,6 @@ from .plan import run_link as run_link
 
 log = logging.getLogger("gangrun.tracking")
 
-# Tag and param names gangrun writes on the run.
-TAG_ERROR = "gangrun.error"
-TAG_ERROR_TYPE = "gangrun.error_type"
-TAG_ERROR_RANK = "gangrun.error_rank"
-TAG_STATUS_REASON = "gangrun.status_reason"
-TAG_RUN_ID = "gangrun.run_id"
-TAG_RESUMES = "gangrun.resumes"  # how many calls resumed this run
 _ERROR_TAGS = (TAG_ERROR, TAG_ERROR_TYPE, TAG_ERROR_RANK, TAG_STATUS_REASON)
 _MAX_TAG = 5000  # MLflow accepts 8000 characters per tag value; keep well below
 

@@ -35,9 +35,8 @@ from typing import Any
 
 from ..errors import LaunchError
 from ..host.system import process_identity
-from ..records import pid_namespace
-
-TAG_LEASE = "gangrun.lease"
+from ..wire.records import pid_namespace
+from ..wire.tags import TAG_LEASE
 
 _lock = threading.Lock()
 _held: set[str] = set()  # the call ids of this process whose runs are still in use

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import LaunchError
-from ..security import redact
+from ..wire import tags as names
+from ..wire.security import redact
 
 if TYPE_CHECKING:
     from ..options import Options
@@ -132,21 +133,20 @@ class TrackingInfo:
 
     def params(self) -> dict[str, Any]:
         """The call's own MLflow params (before its arguments), ``None`` values left out."""
-        keys = ("function", "world_size", "processes", "gpus", "gpu_type", "timeout")
-        return {k: v for k in keys if (v := getattr(self, k)) is not None}
+        return {k: v for k in names.PARAM_KEYS if (v := getattr(self, k)) is not None}
 
     def tags(self) -> dict[str, str]:
         """The ``gangrun.*`` tags of the run (without the parent and the lease)."""
         tags = {
-            "gangrun.function": str(self.function),
-            "gangrun.world_size": str(self.world_size),
-            "gangrun.version": str(self.version),
-            "gangrun.host": str(self.host),
+            names.TAG_FUNCTION: str(self.function),
+            names.TAG_WORLD_SIZE: str(self.world_size),
+            names.TAG_VERSION: str(self.version),
+            names.TAG_HOST: str(self.host),
         }
-        for key in ("processes", "gpus", "gpu_type", "timeout", "backend"):
+        for key in names.CALL_TAG_KEYS:
             value = getattr(self, key)
             if value is not None:
-                tags[f"gangrun.{key}"] = str(value)
+                tags[names.PREFIX + key] = str(value)
         return tags
 
 

@@ -29,10 +29,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ... import contract
 from ...host import system as platform
 from ...options import ForkServerOptions, setting
 from ...rank.forkchild import pad_value
+from ...wire import contract
 from . import protocol as p
 
 log = logging.getLogger("gangrun.launch.forkserver")

@@ -11,8 +11,8 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ...exitcodes import signal_name
 from ...host.system import signal_tree, wait_gone
+from ...wire.exitcodes import signal_name
 from .. import GangSpec, LostRank, RankIO, RankProcess, RankSpec
 from ..spawn import close_fds, close_write_ends
 from . import protocol as p

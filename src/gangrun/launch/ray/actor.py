@@ -32,9 +32,9 @@ import threading
 import time
 from typing import IO
 
-from ... import contract
 from ...host import system as platform
-from ...rundir import CONTEXT, PAYLOAD, RunDir
+from ...wire import contract
+from ...wire.rundir import CONTEXT, PAYLOAD, RunDir
 from .records import ActorContext, NodeInfo, Polled, RankOutputs, Started
 from .ship import caller_paths_only, remote_paths, sees_caller_files
 from .versions import local_versions

@@ -15,7 +15,7 @@ import os
 import pickle
 import re
 
-from ...records import ErrorRecord
+from ...wire.records import ErrorRecord
 from .records import NodeInfo
 from .ship import Manifest
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ... import contract
 from ...errors import LaunchError
 from ...options import RAY_STRATEGIES as STRATEGIES  # noqa: F401 (launch.ray exports it)
+from ...wire import contract
 from .. import GangSpec, RankSpec, RayPlacement
 from .records import NodeInfo
 

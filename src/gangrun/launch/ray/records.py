@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...records import RankContext
+from ...wire.records import RankContext
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import contract
 from ...errors import LaunchError
-from ...serialization import human_bytes
+from ...wire import contract
+from ...wire.serialization import human_bytes
 from .records import FilesIdentity, ShipMap
 
 log = logging.getLogger("gangrun.launch.ray")

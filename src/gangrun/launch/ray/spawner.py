@@ -16,10 +16,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ... import contract, serialization, settings
+from ... import settings
 from ...errors import LaunchError
-from ...records import ErrorRecord, RankContext
-from ...rundir import RunDir
+from ...wire import contract, serialization
+from ...wire.records import ErrorRecord, RankContext
+from ...wire.rundir import RunDir
 from .. import GangSpec, LostRank, RankIO, RankProcess, RankSpec
 from ..spawn import close_write_ends
 from . import diagnose, ship, versions

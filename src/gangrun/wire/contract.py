@@ -6,7 +6,7 @@ Set by the caller for each rank (read by the rank side, `gangrun.rank.worker`):
 ``GANGRUN_RUN_ID``              the call's id; also the marker the teardown sweep looks
                                 for in ``/proc/PID/environ`` (descendants that left the
                                 rank's process group are found by it)
-``GANGRUN_RUN_DIR``             the private (0700) run directory (`gangrun.rundir.RunDir`)
+``GANGRUN_RUN_DIR``             the private (0700) run directory (`gangrun.wire.rundir.RunDir`)
 ``GANGRUN_CALLER_PID``          the caller's pid (diagnostics)
 ``GANGRUN_LIVENESS_FD``         fd of the read end of the caller's liveness pipe: EOF means
                                 the caller died, and the rank kills its own tree

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 PROTOCOL = 5
 DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
@@ -161,10 +161,10 @@ def write_payload(
 
 
 def _not_written(path: str, exc: OSError) -> LaunchError:
-    from .host import diskspace
+    from . import diskfull
 
-    if diskspace.is_full(exc):
-        return LaunchError("gangrun " + diskspace.full_message("the call's payload", path, exc))
+    if diskfull.is_full(exc):
+        return LaunchError("gangrun " + diskfull.full_message("the call's payload", path, exc))
     return LaunchError(f"gangrun could not write the call's payload to {path}: {exc}")
 
 

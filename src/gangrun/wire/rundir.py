@@ -29,10 +29,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .host.system import own_dirs, process_identity
 from .records import RankContext
 
-log = logging.getLogger("gangrun.rundir")
+log = logging.getLogger("gangrun.wire.rundir")
 
 PAYLOAD = "payload.pkl"
 CONTEXT = "context.json"
@@ -158,52 +157,11 @@ def create(run_id: str, log_dir: str | None) -> RunDir:
     return RunDir(path, logs)
 
 
-def remove_unrecorded(run_id: str, tmp: str | None = None) -> list[str]:
-    """Remove this user's run directories of call ``run_id`` (``gangrun-<run_id>-*``): the
-    call was interrupted (Ctrl-C between two bytecodes) after `create` made its directory
-    and before the call recorded it. Run ids are random: no other call's directory matches."""
-    removed = own_dirs(tmp or tempfile.gettempdir(), f"gangrun-{run_id}-")
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-_reaped_stale = False
-
-
-def reap_stale(tmp: str | None = None, *, force: bool = False) -> list[str]:
-    """Remove run directories (payloads, logs) left in the temp dir by callers of this user
-    that died without cleaning up (SIGKILL, a kernel restart). Once per process; cheap.
-
-    Only directories whose caller provably ran on this host, in this PID namespace, and is
-    gone are removed: a shared temp dir (two containers, hosts on a shared filesystem) holds
-    other machines' live calls, whose pids mean nothing here."""
-    global _reaped_stale
-    if _reaped_stale and not force:
-        return []
-    _reaped_stale = True
-    removed: list[str] = []
-    for path in own_dirs(tmp or tempfile.gettempdir(), "gangrun-"):
-        try:
-            ctx = RunDir(path).read_context()
-        except (OSError, ValueError):
-            continue  # not a run directory, or still being written: not ours to judge
-        if not ctx.caller or not ctx.same_machine():
-            continue
-        pid = int(ctx.caller.split(":", 1)[0])
-        if process_identity(pid) != ctx.caller:  # that caller is gone
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    if removed:
-        log.debug("removed stale run directories %s", removed)
-    return removed
-
-
 def _raise_if_full(what: str, path: str, exc: OSError) -> None:
     """A run-directory file the caller could not write for want of room: a
     [`LaunchError`][gangrun.errors.LaunchError] that says so (other errors are left as they are)."""
-    from .errors import LaunchError
-    from .host.diskspace import full_message, is_full
+    from ..errors import LaunchError
+    from .diskfull import full_message, is_full
 
     if is_full(exc):
         raise LaunchError("gangrun " + full_message(what, path, exc)) from exc
