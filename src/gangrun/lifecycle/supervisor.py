@@ -33,7 +33,7 @@ from .done import DoneEvent, DoneHook
 from .observers import MlflowObserver, NoticeObserver, Observer, Observers
 from .plan import check_gpu_type, function_name, rank_context, rank_specs
 from .policy import Decision
-from .record import CallRecord, new_run_id, tracking_info
+from .record import CallerKind, CallRecord, new_run_id, tracking_info
 from .seams import (
     GangFactory,
     Planner,
@@ -83,11 +83,22 @@ class Supervisor:
         pump_factory: PumpFactory = make_pump,
         tracking: TrackingStart = start_tracking,
         observers: Sequence[Observer] = (),
+        caller: CallerKind = "script",
     ) -> None:
         plan, placement = planner(fn, options)
         out, err = stdout or sys.stdout, stderr or sys.stderr
         self.call = CallRecord(
-            new_run_id(), function_name(fn), plan, options, out, err, fn, args, kwargs, placement
+            new_run_id(),
+            function_name(fn),
+            plan,
+            options,
+            out,
+            err,
+            fn,
+            args,
+            kwargs,
+            placement,
+            caller,
         )
         self.owner_pid = os.getpid()
         self.outcome = Outcome()
