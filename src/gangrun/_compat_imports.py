@@ -44,7 +44,7 @@ def private_import(module: str, attr: str | None = None, *, supported: str) -> A
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        if getattr(exc, "name", None) == top:  # the library itself is not installed
+        if exc.name == top:  # the library itself is not installed
             raise PrivateImportError(
                 f"gangrun needs {top} for this feature, and it is not installed. "
                 f"Install a supported version ({supported}), e.g. "

@@ -159,10 +159,10 @@ class ProcessGang:
 
     def _wait(self, rank: int, proc: RankProcess) -> None:
         lost: LostRank | None
-        node: str | None = getattr(proc, "node", None)
+        node = proc.node
         try:
             code = proc.wait()
-            lost = getattr(proc, "lost", None)
+            lost = proc.lost
         except BaseException as exc:  # a bug in a spawner must still end the rank's wait
             log.exception("waiting for rank %d failed", rank)
             code = -signal.SIGKILL
@@ -187,8 +187,7 @@ class ProcessGang:
     def nodes_elsewhere(self) -> dict[int, str]:
         """The ranks on another node than the caller's, and their node as errors name it
         (Ray; ``{}`` on one node)."""
-        where = getattr(self.spawner, "nodes_elsewhere", None)
-        return dict(where()) if where is not None else {}
+        return dict(self.spawner.nodes_elsewhere())
 
     def _signal_all(self, sig: int) -> None:
         for proc in self._procs.values():  # finished ranks too: their leftover descendants

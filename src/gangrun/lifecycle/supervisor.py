@@ -358,7 +358,8 @@ class Supervisor:
                         if self.opts.min_ranks and self.call.placement is not None:
                             from .ray_plan import resize  # after a lost node
 
-                            self.call = resize(self.call, self.gang)
+                            lost = self.gang.spawner.lost_nodes if self.gang else set()
+                            self.call = resize(self.call, lost)
                         self._launch_attempt()
                         continue
                     attempt = waited  # cancelled or out of time while waiting to restart

@@ -170,7 +170,7 @@ class ForkServer:
                     os.close(fd)
                 if reply is None:
                     raise ConnectionResetError("the fork server closed its channel")
-                if getattr(reply, "seq", None) == seq:
+                if isinstance(reply, p.Forked | p.ServerInfo | p.Failed) and reply.seq == seq:
                     break
                 log.debug("dropped the fork server's late reply %s", type(reply).__name__)
         if isinstance(reply, p.Failed):

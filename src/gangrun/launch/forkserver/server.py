@@ -192,7 +192,7 @@ class Server:
             platform.kill_children(keep=set(self.status) | {pid for pid, _ in self.pool})
 
     def handle(self, msg: object, fds: list[int]) -> None:
-        seq = int(getattr(msg, "seq", 0))
+        seq = msg.seq if isinstance(msg, p.Fork | p.Info) else 0  # the reply echoes it
         if isinstance(msg, p.Fork):
             try:
                 pids = self.fork(msg.ranks, fds)
