@@ -231,7 +231,8 @@ class ProcessGang:
         self._logs.clear()
 
     def after_fork_in_child(self) -> None:
-        # A child forked from the caller must not keep the caller's ranks alive (item 3).
+        # A child forked from the caller must not keep the caller's ranks alive: the ranks
+        # watch the liveness pipe's write end, which only the caller may hold.
         if self._live_w != -1:
             os.close(self._live_w)
             self._live_w = -1
