@@ -62,7 +62,6 @@ class ControlObserver(Observer):
     def __init__(self, run: CallView) -> None:
         self.run = run
         self.started = time.time()
-        self.kind = run.call.caller  # what made the call told it so (kernel, gangrun run...)
         self._sock: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._thread: threading.Thread | None = None
@@ -91,7 +90,7 @@ class ControlObserver(Observer):
             "checkpoint_dir": location(call.run_id),  # the location it holds (one writer)
             "caller_pid": run.owner_pid,
             "caller": process_identity(run.owner_pid),
-            "caller_kind": self.kind,
+            "caller_kind": call.caller,  # told by what made the call (a kernel, gangrun run)
             "caller_argv": [redact(str(a)) for a in sys.argv[:4]],
             "uid": os.getuid(),
             "control": self._sock is not None,
