@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
 from ..security import redact
@@ -17,7 +17,6 @@ from . import charts
 from .state import CallSnapshot, RankView
 
 if TYPE_CHECKING:
-    from ..api import RunHandle
     from ..errors import DistributedError
     from ..records import RankFailure
 
@@ -163,7 +162,23 @@ def render_panel(
     )
 
 
-def handle_html(handle: RunHandle[Any]) -> str:
+class HandleView(Protocol):
+    """What the handle's HTML shows of a `gangrun.api.RunHandle` (which imports this module)."""
+
+    @property
+    def fn_name(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def mlflow_run_id(self) -> str | None: ...
+    @property
+    def log_dir(self) -> str: ...
+    def done(self) -> bool: ...
+
+
+def handle_html(handle: HandleView) -> str:
     """``RunHandle._repr_html_``: state, ranks, run link."""
     state = "done" if handle.done() else "running"
     fn = handle.fn_name
