@@ -59,6 +59,7 @@ class FakeRank:
         self.rank = rank
         self.pid = FAKE_PID + rank
         self.lost = lost  # what `RankExit.lost` carries (a launcher that lost the rank)
+        self.node: str | None = None  # on the caller's node
         self.signals: list[int] = []
         self.code: int | None = None
         self._log = log
@@ -94,6 +95,10 @@ class FakeSpawner:
     closing the pipes it was handed, as a real spawner does)."""
 
     name = "fake"
+    lost_nodes: frozenset[str] = frozenset()
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        return {}
 
     def __init__(
         self,
@@ -217,12 +222,16 @@ class FakeGang:
 
     def __init__(self, spec: GangSpec, events: queue.Queue, script: Script, attempt: int):
         self.spec, self.events, self.script, self.attempt = spec, events, script, attempt
+        self.spawner = FakeSpawner()  # what the DEBUG narration names
         self.pids = {r.rank: FAKE_PID + r.rank for r in spec.ranks}  # never real pids
         self.exited: set[int] = set()
         self.stopped = self.closed = False
 
     def start(self) -> None:
         self.script(self)
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        return {}
 
     def alive(self) -> list[int]:
         return [r for r in self.pids if r not in self.exited]

@@ -2,7 +2,7 @@
 
 A private module (``torch.distributed.checkpoint._fsspec_filesystem``,
 ``ray._private...``) can move or vanish in any release. Importing it through
-[`private_import`][gangrun._compat_imports.private_import] turns that into an ``ImportError`` that says what is missing, which
+`private_import` turns that into an ``ImportError`` that says what is missing, which
 version is installed and which versions gangrun supports, instead of a bare
 ``ModuleNotFoundError`` deep inside a rank.
 """
@@ -12,15 +12,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .errors import PrivateImportError
+
 TORCH_SUPPORTED = "torch>=2.4,<=2.13"
 RAY_SUPPORTED = "ray>=2.9,<=2.60"
 MLFLOW_SUPPORTED = "mlflow>=2.10,<=3.17"
 
 _EXTRA = {"torch": "torch", "ray": "ray", "mlflow": "mlflow"}
-
-
-class PrivateImportError(ImportError):
-    """A private name gangrun relies on is missing from the installed library version."""
 
 
 def _installed(dist: str) -> str | None:
@@ -36,7 +34,7 @@ def private_import(module: str, attr: str | None = None, *, supported: str) -> A
     """Import ``module`` (and return ``module.attr`` when given), or raise a clear error.
 
     ``supported`` names the versions gangrun is tested with, e.g. ``"torch>=2.4,<=2.13"``.
-    Raises [`PrivateImportError`][gangrun._compat_imports.PrivateImportError] (an ``ImportError``) when the library is absent or the
+    Raises [`PrivateImportError`][gangrun.errors.PrivateImportError] (an ``ImportError``) when the library is absent or the
     private name is not in the installed version.
     """
     top = module.split(".", 1)[0]
@@ -44,7 +42,7 @@ def private_import(module: str, attr: str | None = None, *, supported: str) -> A
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
-        if getattr(exc, "name", None) == top:  # the library itself is not installed
+        if exc.name == top:  # the library itself is not installed
             raise PrivateImportError(
                 f"gangrun needs {top} for this feature, and it is not installed. "
                 f"Install a supported version ({supported}), e.g. "

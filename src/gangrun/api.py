@@ -20,6 +20,7 @@ from .options import Options
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from .lifecycle.observers import Wiring
     from .lifecycle.supervisor import Supervisor
     from .lifecycle.watch import Progress
     from .option_kwargs import OptionKwargs
@@ -324,26 +325,7 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> RunHandle[R]:
         """Start the call and return a handle at once. Launch errors are raised here."""
-        from . import _log, checks
-        from .lifecycle import Supervisor
-        from .notebook import session
-
-        _log.configure()  # GANGRUN_LOG_LEVEL, once per process
-        checks.refuse_nested()  # inside a rank: fail there, start no inner gang
-        checks.bind_arguments(self._fn, args, kwargs)  # a misspelled argument: no rank starts
-        opts = self._options.validate()
-        # planned here (bad settings: LaunchError); in a kernel: output to this cell, the panel
-        run = Supervisor(self._fn, args, kwargs, opts, **session.wiring(opts))
-        try:
-            run.start()
-            return RunHandle(run)
-        except BaseException:
-            # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
-            # before that point): nothing may keep running without a handle.
-            if run.started:
-                run.cancel("interrupted", wait=60.0)
-                run.remove_dir()
-            raise
+        return submit_wired(self, args, kwargs)
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run on every rank and block; the per-rank return values in rank order.
@@ -431,6 +413,38 @@ def _stopped(handle: RunHandle[Any], was_running: bool) -> str:
         f"stopping {ranks} is taking longer than 60 s (call {handle.run_id}); `gangrun ps` "
         f"lists it and `gangrun stop {handle.run_id}` stops it"
     )
+
+
+def submit_wired(
+    fn: DistributedFunction[P, R],
+    args: tuple,
+    kwargs: dict[str, Any],
+    wiring: Wiring | None = None,
+) -> RunHandle[R]:
+    """``fn.submit(*args, **kwargs)``, wired by its maker: ``wiring`` (``gangrun run``: the
+    streams that keep its status line clear, and its kind), or ``None``: in a kernel, the
+    notebook's (this cell's output, the panel), else nothing."""
+    from . import _log, checks
+    from .lifecycle import Supervisor
+    from .notebook import session
+
+    _log.configure()  # GANGRUN_LOG_LEVEL, once per process
+    checks.refuse_nested()  # inside a rank: fail there, start no inner gang
+    checks.bind_arguments(fn._fn, args, kwargs)  # a misspelled argument: no rank starts
+    opts = fn._options.validate()
+    # planned here (bad settings: LaunchError)
+    wired = session.wiring(opts) if wiring is None else wiring
+    run = Supervisor(fn._fn, args, kwargs, opts, **wired)
+    try:
+        run.start()
+        return RunHandle(run)
+    except BaseException:
+        # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
+        # before that point): nothing may keep running without a handle.
+        if run.started:
+            run.cancel("interrupted", wait=60.0)
+            run.remove_dir()
+        raise
 
 
 __all__ = ["distributed", "DistributedFunction", "RunHandle", "Options"]

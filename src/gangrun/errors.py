@@ -237,6 +237,12 @@ class GangError(DistributedError):
         return fn, (cls, msg, dict(kw, before_start=self.before_start, **more))
 
 
+class PrivateImportError(ImportError):
+    """A private name gangrun relies on is missing from the installed library version (torch,
+    Ray): the message names what is missing, the version installed and the versions gangrun
+    supports. An ``ImportError``, raised where the feature is used, not at ``import gangrun``."""
+
+
 __all__ = [
     "DistributedError",
     "LaunchError",
@@ -245,5 +251,6 @@ __all__ = [
     "DistributedHangError",
     "DistributedPreemptedError",
     "GangError",
+    "PrivateImportError",
     "signal_name",
 ]

@@ -135,7 +135,7 @@ def _coerce_group(cls: Any, value: Any, option: str, listed: tuple[str, ...]) ->
     return cls(**kw).validate()
 
 
-# --- Ray option group (issue 22) -------------------------------------------------------
+# --- Ray option group -----------------------------------------------------------------
 @dataclass(frozen=True)
 class RayOptions:
     """How a ``backend="ray"`` call reaches its nodes (``Options.ray``; a dict is accepted).
@@ -316,7 +316,7 @@ class Options:
     start_method: Literal["auto", "spawn", "forkserver"] = "auto"
     backend: Literal["local", "ray"] = "local"
     address: str | None = None
-    ray: RayOptions = field(default_factory=RayOptions)  # issue 22: a typed group
+    ray: RayOptions = field(default_factory=RayOptions)  # a typed group: checked, completed
     forkserver: ForkServerOptions = field(default_factory=ForkServerOptions)
     # MLflow (docs/tracking.md); log_system_metrics None: on for gpus= calls, off for processes=
     log_system_metrics: bool | None = None

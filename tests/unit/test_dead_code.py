@@ -1,11 +1,15 @@
 """No dead code in the package: ``vulture --min-confidence 80`` over ``src/gangrun`` finds
-nothing (issue 30, item 6). A name only a protocol uses (IPython's ``_repr_pretty_(p, cycle)``)
-is prefixed with ``_``."""
+nothing. A name only a protocol uses (IPython's ``_repr_pretty_(p, cycle)``) is prefixed with
+``_``. And no comment or docstring cites a tracker's issue or item number instead of saying
+why: the reason outlives the tracker."""
 
 from __future__ import annotations
 
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gangrun"
@@ -19,3 +23,41 @@ def test_vulture_finds_no_dead_code():
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# "issue 12", "issues 3", "item 7", "items 2, 4"; in comments also "#31" (not "#888" in code)
+_CITATION = re.compile(r"\b[Ii]ssues? #?\d+|\b[Ii]tems? \d+\b")
+_HASH_NUMBER = re.compile(r"(?<![&\w])#\d+\b")
+
+
+def citations(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment or string that cites an issue or item number."""
+    found = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            hit = _CITATION.search(tok.string) or _HASH_NUMBER.search(tok.string[1:])
+        elif tok.type == tokenize.STRING:
+            hit = _CITATION.search(tok.string)
+        else:
+            continue
+        if hit:
+            found.append((tok.start[0], hit.group()))
+    return found
+
+
+def test_no_comment_cites_an_issue_number():
+    found = [
+        f"{p}:{line}: {text!r}"
+        for p in sorted(SRC.rglob("*.py"))
+        for line, text in citations(p.read_text())
+    ]
+    assert not found, "say why, not which issue:\n" + "\n".join(found)
+
+
+def test_the_citation_check_reads_comments_and_docstrings():
+    source = (
+        '"""Fixed for issue 12, item 3."""\n'
+        'color = "#888"  # see #31\n'
+        "x = 1  # the first 2 items 'shown'\n"
+    )
+    assert citations(source) == [(1, "issue 12"), (2, "#31")]

@@ -78,3 +78,30 @@ def test_the_strict_build_fails_on_links_out_of_the_site():
     text = (ROOT / "mkdocs.yml").read_text()
     assert re.search(r"^\s+not_found: warn$", text, flags=re.M)
     assert re.search(r"^\s+unrecognized_links: warn$", text, flags=re.M)
+
+
+# `::: gangrun.x.y` in a page: mkdocstrings renders that object
+DIRECTIVE = re.compile(r"^:::\s*(gangrun(?:\.\w+)*)\s*$", re.M)
+
+
+def private_parts(path: str) -> list[str]:
+    """The ``_private`` parts of a dotted path (dunder names are not private)."""
+    return [p for p in path.split(".") if p.startswith("_") and not p.startswith("__")]
+
+
+def test_the_api_reference_documents_no_private_module_or_name():
+    # The reference is the public surface: a private module (gangrun._log) or name shown
+    # there is one a user would import, and then it could never change.
+    directives = [(page, m) for page in PAGES for m in DIRECTIVE.findall(page.read_text())]
+    assert len(directives) > 20, directives  # the pattern still reads the pages
+    bad = [f"{page.relative_to(ROOT)}: ::: {m}" for page, m in directives if private_parts(m)]
+    assert not bad, "the API reference shows private modules or names:\n" + "\n".join(bad)
+
+
+def test_the_private_check_reads_each_part():
+    assert private_parts("gangrun._log.get_logger") == ["_log"]
+    assert private_parts("gangrun.errors._Hidden") == ["_Hidden"]
+    assert private_parts("gangrun.api.RunHandle.__init__") == []
+    assert DIRECTIVE.findall("x\n::: gangrun._compat_imports.private_import\n") == [
+        "gangrun._compat_imports.private_import"
+    ]

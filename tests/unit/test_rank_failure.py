@@ -135,6 +135,7 @@ class _BrokenWait:
     """A spawner's rank whose ``wait`` raises (a bug in the spawner)."""
 
     pid = 4242
+    lost = node = None
 
     def wait(self) -> int:
         raise RuntimeError("status pipe in a bad state")

@@ -7,13 +7,14 @@ import io
 import json
 import os
 import re
+import sys
 import tempfile
 import types
 
 import pytest
 
 from gangrun.cli.node import CallRef, Unknown, find_calls, resolve
-from gangrun.cli.status import ClearingStream, StatusLine
+from gangrun.cli.status import ClearingStream, StatusLine, start
 from gangrun.lifecycle import watch
 from gangrun.lifecycle.control import RECORD
 from gangrun.notebook import charts, html
@@ -269,3 +270,35 @@ def test_status_line_is_erased_before_rank_output():
     text = tty.getvalue()
     assert text.index("step 1/10") < text.index("\r\x1b[K[rank 0] hello")
     assert text.endswith("step 2/10\r\x1b[K")
+
+
+def test_the_status_line_streams_are_handed_to_the_call_and_sys_streams_stay_untouched():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    class Handle:
+        def progress(self):
+            raise RuntimeError("the call ended")  # the status line stops following
+
+    seen: dict = {}
+
+    def submit(out, err):
+        seen.update(out=out, err=err, sys_streams=(sys.stdout, sys.stderr))
+        return Handle()
+
+    before = sys.stdout, sys.stderr
+    out, tty = io.StringIO(), Tty()
+    handle, status = start(submit, out, tty)
+    assert status is not None and isinstance(handle, Handle)
+    assert seen["sys_streams"] == before == (sys.stdout, sys.stderr)  # nothing swapped in
+    assert isinstance(seen["out"], ClearingStream) and isinstance(seen["err"], ClearingStream)
+    status.draw("gangrun: step 1/10")
+    seen["out"].write("[rank 0] hello\n")  # the line is erased on the terminal first
+    status.close()
+    assert out.getvalue() == "[rank 0] hello\n"
+    assert tty.getvalue().startswith("\r\x1b[Kgangrun: step 1/10\r\x1b[K")
+    # not a terminal: the call writes to the streams themselves, with no status line
+    plain = io.StringIO()
+    handle, status = start(submit, out, plain)
+    assert status is None and seen["out"] is out and seen["err"] is plain

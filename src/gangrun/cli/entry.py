@@ -29,7 +29,7 @@ import os
 import runpy
 import signal
 import sys
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..wire import contract
 from .support import (
@@ -41,10 +41,12 @@ from .support import (
     with_log_paths,
 )
 
+if TYPE_CHECKING:
+    from ..api import RunHandle
+
 EXIT_LAUNCH = 2
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPT = 130
-RUNNING = False  # a `gangrun run` call is under way in this process (its caller kind)
 
 
 class ScriptTarget:
@@ -211,7 +213,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None = None) -> int:
     from .. import defaults as _defaults
-    from ..api import DistributedFunction, Options
+    from ..api import DistributedFunction, Options, submit_wired
     from ..errors import DistributedError
     from .options import options_from_args, speak_cli
 
@@ -244,12 +246,14 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
     fn: DistributedFunction[[], None] = DistributedFunction(target, explicit=explicit)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     handle = status = None
-    global RUNNING
-    RUNNING = True
     try:
         from .status import start
 
-        handle, status = start(fn.submit)  # a status line with the progress on a terminal
+        def submit(out: IO[str], err: IO[str]) -> RunHandle[None]:
+            return submit_wired(fn, (), {}, {"stdout": out, "stderr": err, "caller": "gangrun run"})
+
+        # a status line with the progress when stderr is a terminal
+        handle, status = start(submit, sys.stdout, sys.stderr)
         handle.result()
         return 0
     except DistributedError as exc:
@@ -271,7 +275,6 @@ def cmd_run(ns: argparse.Namespace, run_parser: argparse.ArgumentParser | None =
         print("gangrun: terminated; every rank was stopped.", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        RUNNING = False
         if status is not None:
             status.close()
         signal.signal(signal.SIGTERM, previous)

@@ -9,9 +9,8 @@ which erases the status line before each write, so a ``[rank N]`` line never lan
 
 from __future__ import annotations
 
-import sys
 import threading
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -102,25 +101,24 @@ def _columns(tty: IO[str]) -> int:
 
 
 def start(
-    handle_factory: Callable[[], RunHandle[Any]],
+    submit: Callable[[IO[str], IO[str]], RunHandle[Any]],
+    stdout: IO[str],
+    stderr: IO[str],
 ) -> tuple[RunHandle[Any], StatusLine | None]:
-    """Start the call (``handle_factory()``) with a status line when stderr is a terminal;
-    returns the handle and the status line (``None``: not a terminal)."""
-    err = sys.stderr
+    """Start the call, ``submit(out, err)``, with a status line on ``stderr`` when it is a
+    terminal: the call writes to ``stdout``/``stderr`` themselves, or, under a status line,
+    to streams that erase it first. Returns the handle and the status line (``None``: not a
+    terminal)."""
     try:
-        tty = err.isatty()
+        tty = stderr.isatty()
     except (AttributeError, ValueError):
         tty = False
     if not tty:
-        return handle_factory(), None
-    status = StatusLine(err)
-    out_before, err_before = sys.stdout, sys.stderr
-    sys.stdout = ClearingStream(out_before, status)
-    sys.stderr = ClearingStream(err_before, status)
-    try:
-        handle = handle_factory()  # the call's output pump keeps the clearing streams
-    finally:
-        sys.stdout, sys.stderr = out_before, err_before
+        return submit(stdout, stderr), None
+    status = StatusLine(stderr)
+    # a text stream by duck typing: write and flush its own, the rest the stream's
+    out, err = (cast("IO[str]", ClearingStream(s, status)) for s in (stdout, stderr))
+    handle = submit(out, err)
     status.follow(handle)
     return handle, status
 

@@ -21,9 +21,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LaunchError
+
+if TYPE_CHECKING:
+    from .accelerators import Accelerator
 
 POLL_S = 0.1
 # flock is per open file description: two threads of one caller opening the same file get two
@@ -53,9 +56,8 @@ def lock_dir(name: str = "gangrun-gpus") -> str:
     return path
 
 
-def _key(dev: Any) -> str:
-    uuid = getattr(dev, "uuid", "") or ""
-    safe = "".join(c for c in uuid if c.isalnum() or c in "-_")
+def _key(dev: Accelerator) -> str:
+    safe = "".join(c for c in dev.uuid if c.isalnum() or c in "-_")
     return f"gpu-{safe}" if safe else f"gpu-{int(dev.index)}"
 
 

@@ -7,7 +7,8 @@ gang's random token before the caller reads anything else from it (`protocol.Hel
 caller answers (`protocol.WELCOME`). A rank that cannot reach the caller says so within
 seconds (`protocol.CallerUnreachable`), and `Gang(...)` raises `unreachable`'s error: the
 channel is not routed through Ray, so a caller the nodes cannot reach (a laptop behind NAT
-using Ray Client) is told to run where they can (issue 31, item 9).
+using Ray Client) is told to run where they can, instead of waiting for ranks that never
+connect.
 """
 
 from __future__ import annotations

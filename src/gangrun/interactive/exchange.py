@@ -16,6 +16,7 @@ import time
 
 from ..api import RunHandle
 from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
+from ..notebook.routing import CellWriter
 from ..rank import interactive_protocol as protocol
 from ..wire.records import ErrorRecord
 from .outcome import PerRank, failure
@@ -67,9 +68,8 @@ class Exchanges:
             handle = self._check_usable()
             # in a kernel: this execution's output belongs to the cell running it now
             for stream in (handle.supervisor.call.stdout, handle.supervisor.call.stderr):
-                retarget = getattr(stream, "retarget", None)
-                if retarget is not None:
-                    retarget()
+                if isinstance(stream, CellWriter):
+                    stream.retarget()
             limit = self.timeout
             deadline = None if limit is None else time.monotonic() + limit
             data = protocol.frame(msg)

@@ -320,9 +320,8 @@ class Gang(Exchanges):
 
     def _nodes_elsewhere(self) -> dict[int, str]:
         """The ranks on another node than this caller's, and their node (Ray; else ``{}``)."""
-        attempt = None if self._handle is None else self._handle.supervisor.gang
-        where = getattr(attempt, "nodes_elsewhere", None)
-        return dict(where()) if where is not None else {}
+        gang = None if self._handle is None else self._handle.supervisor.gang
+        return gang.nodes_elsewhere() if gang is not None else {}
 
     def _try_lock(self) -> bool:
         return self._lock.acquire(blocking=False)

@@ -16,7 +16,7 @@ lifecycle owns (which also carries the lifecycle's own events: cancel, deadline,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -97,10 +97,16 @@ class RankProcess(Protocol):
     """One started rank, whatever started it (cf. CPython's ``multiprocessing`` Popen)."""
 
     pid: int
-    # Optional attribute ``lost: LostRank | None``, read after wait(): set when the launcher
-    # itself lost the rank (a dead fork server, a lost Ray actor), see RankExit.lost.
-    # Optional attribute ``node: str | None``: the node of a rank on another node than the
-    # caller's (Ray), as errors name it, see RankExit.node.
+
+    @property
+    def lost(self) -> LostRank | None:
+        """Read after `wait`: set when the launcher itself lost the rank (a dead fork server,
+        a lost Ray actor), see `RankExit.lost`."""
+
+    @property
+    def node(self) -> str | None:
+        """The rank's node when it is another than the caller's (Ray), as errors name it,
+        see `RankExit.node`."""
 
     def wait(self) -> int:
         """Block until the rank ended; its exit code (``-N``: killed by signal ``N``). Called
@@ -114,6 +120,14 @@ class Spawner(Protocol):
     """Starts the rank processes of one gang (fresh interpreters, fork server, Ray)."""
 
     name: str
+
+    @property
+    def lost_nodes(self) -> Set[str]:
+        """The nodes of ranks whose launcher lost them (Ray: a lost actor's node)."""
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        """The ranks on another node than the caller's, and their node as errors name it
+        (``{}`` on one node)."""
 
     def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         """One process per entry, in order; all or nothing (on failure what started is killed
@@ -136,9 +150,18 @@ class Gang(Protocol):
 
     pids: dict[int, int]  # rank -> pid of the rank's process
 
+    @property
+    def spec(self) -> GangSpec: ...
+    @property
+    def spawner(self) -> Spawner: ...  # what started the ranks (the narration names it)
+
     def start(self) -> None: ...
 
     def alive(self) -> list[int]: ...
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        """The ranks on another node than the caller's, and their node as errors name it
+        (Ray; ``{}`` on one node)."""
 
     def signal_rank(self, rank: int, sig: int) -> None:
         """Send ``sig`` to one rank's tree, wherever it runs."""

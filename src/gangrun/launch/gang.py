@@ -160,10 +160,10 @@ class ProcessGang:
 
     def _wait(self, rank: int, proc: RankProcess) -> None:
         lost: LostRank | None
-        node: str | None = getattr(proc, "node", None)
+        node = proc.node
         try:
             code = proc.wait()
-            lost = getattr(proc, "lost", None)
+            lost = proc.lost
         except BaseException as exc:  # a bug in a spawner must still end the rank's wait
             log.exception("waiting for rank %d failed", rank)
             code = -signal.SIGKILL
@@ -188,8 +188,7 @@ class ProcessGang:
     def nodes_elsewhere(self) -> dict[int, str]:
         """The ranks on another node than the caller's, and their node as errors name it
         (Ray; ``{}`` on one node)."""
-        where = getattr(self.spawner, "nodes_elsewhere", None)
-        return dict(where()) if where is not None else {}
+        return dict(self.spawner.nodes_elsewhere())
 
     def _signal_all(self, sig: int) -> None:
         for proc in self._procs.values():  # finished ranks too: their leftover descendants
@@ -233,7 +232,8 @@ class ProcessGang:
         self._logs.clear()
 
     def after_fork_in_child(self) -> None:
-        # A child forked from the caller must not keep the caller's ranks alive (item 3).
+        # A child forked from the caller must not keep the caller's ranks alive: the ranks
+        # watch the liveness pipe's write end, which only the caller may hold.
         if self._live_w != -1:
             os.close(self._live_w)
             self._live_w = -1

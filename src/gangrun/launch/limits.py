@@ -1,4 +1,5 @@
-"""What the kernel lets a rank start with, checked before anything starts (issue 12, item 14).
+"""What the kernel lets a rank start with, checked before anything starts: a too-large
+environment is a `LaunchError` naming the variable, not an ``E2BIG`` from ``execve``.
 
 ``execve`` refuses (``E2BIG``) one environment string (``NAME=value``) over ``MAX_ARG_STRLEN``
 (32 pages) and a whole argument + environment block over ``ARG_MAX``. A fresh interpreter

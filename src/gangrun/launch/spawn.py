@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from ..host.system import signal_tree
 from ..wire import contract
-from . import GangSpec, RankIO, RankProcess, RankSpec
+from . import GangSpec, LostRank, RankIO, RankProcess, RankSpec
 
 GANGRUN_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BOOT = "import sys; sys.path.insert(0, {path!r}); from gangrun.rank.boot import boot; boot()"
@@ -51,6 +51,8 @@ class SpawnedProcess:
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
         self.pid = int(popen.pid)
+        self.lost: LostRank | None = None  # a child of ours: never lost by a launcher
+        self.node: str | None = None  # this node
 
     def wait(self) -> int:
         return int(self.popen.wait())
@@ -61,6 +63,10 @@ class SpawnedProcess:
 
 class SpawnSpawner:
     name = "spawn"
+    lost_nodes: frozenset[str] = frozenset()  # one node
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        return {}
 
     def start(self, spec: GangSpec, ranks: Sequence[tuple[RankSpec, RankIO]]) -> list[RankProcess]:
         procs: list[SpawnedProcess] = []

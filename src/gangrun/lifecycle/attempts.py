@@ -208,15 +208,16 @@ def attempts_json(attempts: list[Attempt]) -> str:
         err = a.error
         failure: dict[str, Any] | None = None
         if err is not None:
-            rank = getattr(err, "rank", None)
-            f = getattr(err, "failures", {}).get(rank) if rank is not None else None
+            dist = err if isinstance(err, DistributedError) else None
+            rank = dist.rank if dist is not None else None
+            f = dist.failures.get(rank) if dist is not None and rank is not None else None
             first = (str(err).strip().splitlines() or [""])[0]
             failure = {
                 "rank": rank,
                 "type": f.exc_type if f is not None and f.exc_type else type(err).__name__,
                 "message": (f.message if f is not None else first)[:_MAX_MESSAGE],
                 "signal": f.signal if f is not None else None,
-                "exitcode": f.exitcode if f is not None else getattr(err, "exitcode", None),
+                "exitcode": f.exitcode if f is not None else dist.exitcode if dist else None,
                 "frame": f.frame if f is not None else None,
                 "time": f.time if f is not None and f.time else a.ended,
             }
@@ -246,7 +247,7 @@ def record_mlflow(tracker: Tracker | None, attempts: list[Attempt], final: bool)
     client, run_id = tracker.client, tracker.run_id
     client.set_tag(run_id, TAG_ATTEMPTS, str(len(attempts)))
     last = attempts[-1]
-    resume = int(getattr(tracker, "resume_number", 0) or 0)
+    resume = tracker.resume_number
     if final and last.decision is Decision.STOP and last.state in (State.FAILED, State.HUNG):
         client.set_tag(run_id, TAG_RESTART_STOP, last.reason[:5000])
     elif final and resume and TAG_RESTART_STOP in client.get_run(run_id).data.tags:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -22,9 +21,14 @@ log = logging.getLogger("gangrun.lifecycle.calls")
 
 
 class Cancellable(Protocol):
-    owner_pid: int
+    """An active call (`gangrun.lifecycle.supervisor.Supervisor`)."""
 
-    def cancel(self, reason: str = "cancelled", wait: float = 30.0) -> bool: ...
+    owner_pid: int
+    ckpt_env: dict[str, str]  # its ranks' checkpoint environment ({}: no checkpoints)
+
+    def cancel(
+        self, reason: str = "cancelled", wait: float = 30.0, checkpoint: bool = False
+    ) -> bool: ...
 
 
 _lock = threading.Lock()
@@ -98,17 +102,12 @@ def at_exit() -> None:
 
 
 def _shutdown_launchers() -> None:
-    from .. import launch
+    from ..launch import shutdown
 
-    shutdown = getattr(launch, "shutdown", None)
-    if shutdown is None and "gangrun.launch.forkserver" in sys.modules:
-        # transitional: until gangrun.launch.shutdown() exists, the fork server's own
-        shutdown = getattr(sys.modules["gangrun.launch.forkserver"], "shutdown", None)
-    if shutdown is not None:
-        try:
-            shutdown()
-        except Exception:
-            log.exception("shutting the launchers down at exit failed")
+    try:
+        shutdown()
+    except Exception:
+        log.exception("shutting the launchers down at exit failed")
 
 
 atexit.register(at_exit)

@@ -280,7 +280,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, _previous if _previous is not None else signal.SIG_DFL)
     _sigterm_installed = False  # a second SIGTERM: the previous behaviour (stop now)
     live = calls.active()
-    ckpt = [c for c in live if getattr(c, "ckpt_env", None)]
+    ckpt = [c for c in live if c.ckpt_env]
     if not ckpt:
         if callable(_previous):
             _previous(signum, frame)

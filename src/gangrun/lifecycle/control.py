@@ -49,24 +49,6 @@ STACKS_WAIT_S = 5.0  # how long a stacks request waits for the ranks' dumps (its
 STACKS_WAIT_MAX_S = 600.0
 
 
-def caller_kind() -> str:
-    """``kernel`` (a Jupyter kernel), ``gangrun run``, or ``script``."""
-    if "ipykernel" in sys.modules and "IPython" in sys.modules:
-        try:
-            from IPython import get_ipython
-
-            if getattr(get_ipython(), "kernel", None) is not None:
-                return "kernel"
-        except Exception:  # a broken IPython: not a kernel we can tell
-            pass
-    if os.path.basename(sys.argv[0] if sys.argv else "") == "gangrun" or (
-        "gangrun.cli.entry" in sys.modules
-        and getattr(sys.modules["gangrun.cli.entry"], "RUNNING", False)
-    ):
-        return "gangrun run"
-    return "script"
-
-
 def peer_uid(conn: socket.socket) -> int | None:
     try:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -82,7 +64,6 @@ class ControlObserver(Observer):
     def __init__(self, run: CallView) -> None:
         self.run = run
         self.started = time.time()
-        self.kind = caller_kind()
         self._sock: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._thread: threading.Thread | None = None
@@ -111,7 +92,7 @@ class ControlObserver(Observer):
             checkpoint_dir=location(call.run_id),  # the location it holds (one writer)
             caller_pid=run.owner_pid,
             caller=process_identity(run.owner_pid),
-            caller_kind=self.kind,
+            caller_kind=call.caller,  # told by what made the call (a kernel, gangrun run)
             caller_argv=[redact(str(a)) for a in sys.argv[:4]],
             uid=os.getuid(),
             control=self._sock is not None,
@@ -261,4 +242,4 @@ def attach(run: CallView) -> list[Observer]:
     return [ControlObserver(run)]
 
 
-__all__ = ["ControlObserver", "RECORD", "SOCKET", "attach", "caller_kind", "peer_uid"]
+__all__ = ["ControlObserver", "RECORD", "SOCKET", "attach", "peer_uid"]

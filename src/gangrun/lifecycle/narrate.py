@@ -61,10 +61,10 @@ class NarratorObserver(Observer):
             )
         elif state is State.RUNNING:
             gang = run.gang
-            spec = getattr(gang, "spec", None)
-            port = spec.ranks[0].env.get("MASTER_PORT") if spec and spec.ranks else "?"
+            ranks = gang.spec.ranks if gang is not None else []
+            port = ranks[0].env.get("MASTER_PORT") if ranks else "?"
             pids = dict(gang.pids) if gang is not None else {}
-            spawner = type(getattr(gang, "spawner", None)).__name__
+            spawner = type(gang.spawner).__name__ if gang is not None else "?"
             log.debug(
                 "call %s: %d rank(s) started in %.2fs by %s, rendezvous port %s",
                 rid,

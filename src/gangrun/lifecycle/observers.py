@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol, TypedDict
 
-from .record import CallRecord
+from .record import CallerKind, CallRecord
 from .state import Outcome, State
 
 if TYPE_CHECKING:
@@ -131,6 +131,18 @@ class Observers(Observer):
                 obs.on_rank_line(rank, text)
 
 
+class Wiring(TypedDict, total=False):
+    """What a call is wired with by whoever makes it, for good (keyword arguments of
+    ``Supervisor(...)``): where its output goes, who observes it, what made it. The notebook
+    gives the cell's writers, the panel and ``"kernel"``; ``gangrun run`` its status-line
+    streams and ``"gangrun run"``; a script gives nothing (``sys.stdout``/``sys.stderr``)."""
+
+    stdout: IO[str]
+    stderr: IO[str]
+    observers: Sequence[Observer]
+    caller: CallerKind
+
+
 class MlflowObserver(Observer):
     """The MLflow side of the call's end: the attempts (with restarts, or on a resumed run),
     then the run ended with the outcome's status and the rank logs attached. The run is
@@ -181,5 +193,6 @@ __all__ = [
     "MlflowObserver",
     "NoticeObserver",
     "Watching",
+    "Wiring",
     "wants_lines",
 ]

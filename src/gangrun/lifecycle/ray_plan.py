@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LaunchError
@@ -131,17 +131,17 @@ def plan_ray(fn: Callable[..., Any], opts: Options) -> tuple[Plan, RayPlacement]
     return plan, placement
 
 
-def resize(call: CallRecord, gang: Any, wait_s: float = 60.0) -> CallRecord:
+def resize(call: CallRecord, lost: Set[str], wait_s: float = 60.0) -> CallRecord:
     """The record of a ``min_ranks`` call's next attempt: as many ranks as it asked for when
     the cluster can place them now, else as many as it can (at least ``min_ranks``: the
-    placement then waits for them). The nodes of the ranks lost in the last attempt are
-    first waited for, ``wait_s`` at most, until Ray has them dead (its health checks take
+    placement then waits for them). The nodes of the ranks lost in the last attempt
+    (``lost``) are first waited for, ``wait_s`` at most, until Ray has them dead (its health checks take
     seconds), so their resources are not counted."""
     opts, placement = call.options, call.placement
     assert placement is not None and opts.min_ranks is not None
     ray = connect(opts.address)
     kind = "GPU" if "GPU" in placement.bundle else "CPU"
-    lost = set(getattr(getattr(gang, "spawner", None), "lost_nodes", None) or ())
+    lost = set(lost)
     deadline = time.monotonic() + wait_s
     while lost and time.monotonic() < deadline:
         if not lost & {n["NodeID"] for n in ray.nodes() if n.get("Alive")}:

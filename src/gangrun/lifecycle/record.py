@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from ..launch import RayPlacement
 from ..options import Options
@@ -22,6 +22,11 @@ from .plan import Plan
 
 if TYPE_CHECKING:
     from ..tracking.plan import TrackingInfo
+
+
+# What made the call, told by it when the supervisor is made (`gangrun ps` shows it): the
+# notebook's wiring says "kernel", ``gangrun run`` says so, anything else is a script.
+CallerKind = Literal["kernel", "gangrun run", "script"]
 
 
 def new_run_id() -> str:
@@ -43,6 +48,7 @@ class CallRecord:
     args: tuple = field(default=(), repr=False, compare=False)
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     placement: RayPlacement | None = field(default=None, repr=False)  # backend="ray"
+    caller: CallerKind = "script"
 
     @property
     def world_size(self) -> int:
@@ -80,4 +86,4 @@ def tracking_info(call: CallRecord, gpu_name: str | None) -> TrackingInfo:
     )
 
 
-__all__ = ["CallRecord", "new_run_id", "tracking_info"]
+__all__ = ["CallRecord", "CallerKind", "new_run_id", "tracking_info"]

@@ -34,7 +34,7 @@ from .done import DoneEvent, DoneHook
 from .observers import MlflowObserver, NoticeObserver, Observer, Observers
 from .plan import check_gpu_type, function_name, rank_context, rank_specs
 from .policy import Decision
-from .record import CallRecord, new_run_id, tracking_info
+from .record import CallerKind, CallRecord, new_run_id, tracking_info
 from .seams import (
     GangFactory,
     Planner,
@@ -84,11 +84,22 @@ class Supervisor:
         pump_factory: PumpFactory = make_pump,
         tracking: TrackingStart = start_tracking,
         observers: Sequence[Observer] = (),
+        caller: CallerKind = "script",
     ) -> None:
         plan, placement = planner(fn, options)
         out, err = stdout or sys.stdout, stderr or sys.stderr
         self.call = CallRecord(
-            new_run_id(), function_name(fn), plan, options, out, err, fn, args, kwargs, placement
+            new_run_id(),
+            function_name(fn),
+            plan,
+            options,
+            out,
+            err,
+            fn,
+            args,
+            kwargs,
+            placement,
+            caller,
         )
         self.owner_pid = os.getpid()
         self.outcome = Outcome()
@@ -348,7 +359,8 @@ class Supervisor:
                         if self.opts.min_ranks and self.call.placement is not None:
                             from .ray_plan import resize  # after a lost node
 
-                            self.call = resize(self.call, self.gang)
+                            lost = self.gang.spawner.lost_nodes if self.gang else set()
+                            self.call = resize(self.call, lost)
                         self._launch_attempt()
                         continue
                     attempt = waited  # cancelled or out of time while waiting to restart

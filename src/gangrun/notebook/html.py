@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
 from ..wire.security import redact
 from . import charts
 from .state import CallSnapshot, RankView
+
+if TYPE_CHECKING:
+    from ..errors import DistributedError
+    from ..wire.records import RankFailure
 
 _STATE_COLOR = {
     "starting": "#888",
@@ -160,20 +164,35 @@ def render_panel(
     )
 
 
-def handle_html(handle: Any) -> str:
+class HandleView(Protocol):
+    """What the handle's HTML shows of a `gangrun.api.RunHandle` (which imports this module)."""
+
+    @property
+    def fn_name(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def mlflow_run_id(self) -> str | None: ...
+    @property
+    def log_dir(self) -> str: ...
+    def done(self) -> bool: ...
+
+
+def handle_html(handle: HandleView) -> str:
     """``RunHandle._repr_html_``: state, ranks, run link."""
-    done = bool(getattr(handle, "done", lambda: False)())
-    state = "done" if done else "running"
-    fn = getattr(handle, "fn_name", "?")
-    mlflow_id = getattr(handle, "mlflow_run_id", None)
+    state = "done" if handle.done() else "running"
+    fn = handle.fn_name
+    mlflow_id = handle.mlflow_run_id
     rows = [
         ("state", _badge(state)),
-        ("ranks", str(getattr(handle, "world_size", "?"))),
-        ("call", f"<code>{escape(str(getattr(handle, 'run_id', '?')))}</code>"),
+        ("ranks", str(handle.world_size)),
+        ("call", f"<code>{escape(handle.run_id)}</code>"),
     ]
     if mlflow_id:
         rows.append(("MLflow run", f"<code>{escape(str(mlflow_id))}</code>"))
-    log_dir = getattr(handle, "log_dir", None)
+    log_dir = handle.log_dir
     if log_dir:
         rows.append(("logs", f"<code>{escape(str(log_dir))}</code>"))
     body = "".join(f"<tr><td {_TD}>{k}</td><td {_TD}>{v}</td></tr>" for k, v in rows)
@@ -183,22 +202,20 @@ def handle_html(handle: Any) -> str:
     )
 
 
-def _failure_block(f: Any) -> str:
-    rank = getattr(f, "rank", None)
-    code = getattr(f, "exitcode", None)
-    sig = getattr(f, "signal", None)
-    what = getattr(f, "exc_type", None) or (f"signal {sig}" if sig else f"exit code {code}")
-    msg = str(getattr(f, "message", "") or "").strip()
-    head = f"rank {rank}: {what}" + (f": {msg.splitlines()[0]}" if msg else "")
-    tb = escape(getattr(f, "traceback", None) or "")
+def _failure_block(f: RankFailure) -> str:
+    sig = f.signal
+    what = f.exc_type or (f"signal {sig}" if sig else f"exit code {f.exitcode}")
+    msg = (f.message or "").strip()
+    head = f"rank {f.rank}: {what}" + (f": {msg.splitlines()[0]}" if msg else "")
+    tb = escape(f.traceback or "")
     return f'<summary>{escape(head)}</summary><pre style="white-space:pre-wrap">{tb}</pre>'
 
 
-def error_html(err: BaseException) -> str:
+def error_html(err: DistributedError) -> str:
     """``DistributedError._repr_html_``: the root cause first, other ranks' failures folded."""
     text = str(err)
     first, _, rest = text.partition("\n")
-    rank = getattr(err, "rank", None)
+    rank = err.rank
     parts = [
         '<div class="gangrun-error" style="font-family:sans-serif;font-size:12px">',
         f'<div style="color:#d62728;font-weight:bold">{escape(type(err).__name__)}: '
@@ -206,15 +223,13 @@ def error_html(err: BaseException) -> str:
     ]
     if rest.strip():
         parts.append(f'<pre style="white-space:pre-wrap">{escape(rest.strip())}</pre>')
-    failures = getattr(err, "failures", None) or {}
-    others = [f for r, f in sorted(failures.items()) if r != rank]
+    others = [f for r, f in sorted(err.failures.items()) if r != rank]
     if others:
         parts.append(f"<details><summary>{len(others)} other rank failure(s)</summary>")
         parts.extend(f"<details>{_failure_block(f)}</details>" for f in others)
         parts.append("</details>")
-    run_id = getattr(err, "run_id", None)
-    if run_id:
-        parts.append(f"<div>call <code>{escape(str(run_id))}</code></div>")
+    if err.run_id:
+        parts.append(f"<div>call <code>{escape(err.run_id)}</code></div>")
     parts.append("</div>")
     return "".join(parts)
 

@@ -9,36 +9,31 @@ kernel it gives nothing: the call writes to ``sys.stdout``/``sys.stderr``.
 from __future__ import annotations
 
 import sys
-from typing import IO, TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
-from ..lifecycle.observers import Observer
+from ..lifecycle.observers import Wiring
 from . import kernel
-
-
-class Wiring(TypedDict, total=False):
-    """Keyword arguments of ``Supervisor(...)``: where the output goes, who observes."""
-
-    stdout: IO[str]
-    stderr: IO[str]
-    observers: list[Observer]
-
 
 if TYPE_CHECKING:
     from ..options import Options
 
 
 def panel_wanted(opts: Options) -> bool:
-    return bool(getattr(opts, "progress", True)) and getattr(opts, "output", "all") != "none"
+    return opts.progress and opts.output != "none"
 
 
 def wiring(opts: Options) -> Wiring:
-    """In a kernel: the call's output goes to the launching cell, and a live panel observes
-    it; outside one: nothing (the supervisor's defaults)."""
+    """In a kernel: the call's output goes to the launching cell, a live panel observes it,
+    and it is a kernel's call; outside one: nothing (the supervisor's defaults)."""
     if kernel() is None:
         return {}
     from .routing import cell_writer, current_parent
 
-    wired: Wiring = {"stdout": cell_writer(sys.stdout), "stderr": cell_writer(sys.stderr)}
+    wired: Wiring = {
+        "stdout": cell_writer(sys.stdout),
+        "stderr": cell_writer(sys.stderr),
+        "caller": "kernel",
+    }
     if not panel_wanted(opts):
         return wired
     from IPython import get_ipython
@@ -53,13 +48,13 @@ def wiring(opts: Options) -> Wiring:
 
 def on_decorate(opts: Options) -> None:
     """A function was decorated: in a kernel, warm the fork server for its first call."""
-    if getattr(opts, "backend", "local") != "local" or getattr(opts, "start_method", "") == "spawn":
+    if opts.backend != "local" or opts.start_method == "spawn":
         return
     if kernel() is None:
         return
     from .warm import prewarm_soon
 
-    prewarm_soon(getattr(opts, "forkserver", None))
+    prewarm_soon(opts.forkserver)
 
 
-__all__ = ["Wiring", "wiring", "on_decorate", "panel_wanted"]
+__all__ = ["wiring", "on_decorate", "panel_wanted"]

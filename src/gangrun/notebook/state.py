@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from ..errors import DistributedError
 from ..wire.exitcodes import signal_name
 from ..wire.security import redact
 
@@ -177,7 +178,7 @@ class CallState:
         """The call is over: ranks still running were stopped; the root cause failed."""
         if not self._started:
             return  # failed before it started (a launch error): no panel to freeze
-        root = getattr(error, "rank", None)
+        root = error.rank if isinstance(error, DistributedError) else None
         ranks = []
         ended = RankState.FINISHED if status == "FINISHED" else RankState.STOPPED
         for v in self._snap.ranks:

@@ -5,7 +5,7 @@ slow part of a first call: a fresh interpreter importing torch) from a daemon th
 made a few seconds later finds it ready. The same thread then imports the modules a call needs
 in the caller (`CALL_MODULES`: the launcher, the output pump, the pre-launch checks,
 cloudpickle, and in a kernel the live panel), which a first call otherwise imported on its way
-(20 ms of a 50 ms first call; issue 24, item 18). Failures are only logged: the call itself
+(20 ms of a 50 ms first call). Failures are only logged: the call itself
 then starts the server, or falls back to spawning, as it would have anyway.
 """
 

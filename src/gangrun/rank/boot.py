@@ -3,7 +3,8 @@
 Every rank, however started, is the child subreaper of its descendants: a helper that left
 the rank's session and environment (``start_new_session=True``, its own ``env``) still
 re-parents to the rank when its own parent ends, and is killed when the rank ends through
-gangrun's exit path (issue 12, item 10). C stdio is flushed on that path too (item 7).
+gangrun's exit path, so no helper outlives its rank. C stdio is flushed on that path too: a
+rank's last lines written by C code are not lost when it ends.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from ..errors import LaunchError
+from ..errors import DistributedError, LaunchError
 from ..wire.security import credentials, redact
 from ..wire.tags import (
     TAG_ERROR,
@@ -92,7 +92,7 @@ class Tracker:
                 import mlflow
                 from mlflow.tracking import MlflowClient
         except ImportError:
-            resume_id = getattr(opts, "run_id", None)
+            resume_id = opts.run_id if opts is not None else None
             if resume_id is not None:
                 raise LaunchError(
                     f"run_id={resume_id!r} resumes an MLflow run, but mlflow is not installed "
@@ -166,7 +166,7 @@ class Tracker:
         tags = _run_tags(info, plan.parent_run_id)
         call_id = info.run_id
         tags[lease.TAG_LEASE] = lease.value(call_id)
-        tags.update({str(k): str(v) for k, v in (getattr(opts, "tags", None) or {}).items()})
+        tags.update({str(k): str(v) for k, v in (opts.tags if opts is not None else {}).items()})
         resume = plan.resume_run
         if resume is None:
             tags = {**context_tags(info.source), **tags}
@@ -313,7 +313,7 @@ class Tracker:
             text = str(error) or type(error).__name__
             tags[TAG_ERROR] = text if len(text) <= _MAX_TAG else text[: _MAX_TAG - 3] + "..."
             tags[TAG_ERROR_TYPE] = type(error).__name__
-            err_rank = getattr(error, "rank", None)
+            err_rank = error.rank if isinstance(error, DistributedError) else None
             if err_rank is not None:
                 tags[TAG_ERROR_RANK] = str(err_rank)
             if status == "KILLED":

@@ -201,7 +201,7 @@ def _active_experiment(client: Any) -> str:
 
 def _resume_target(opts: Options | None, client: Any, uri: str, active: Any) -> tuple[Any, str]:
     """The run to resume (``None`` for a new run) and where its id came from."""
-    run_id = getattr(opts, "run_id", None)
+    run_id = opts.run_id if opts is not None else None
     source = "run_id="
     if run_id is None and active is None and os.environ.get("MLFLOW_RUN_ID"):
         run_id, source = os.environ["MLFLOW_RUN_ID"], "MLFLOW_RUN_ID"
@@ -232,8 +232,8 @@ def plan_run(
 ) -> RunPlan:
     """Decide experiment, parent and run for the call (raises LaunchError on bad input)."""
     active = mlflow.active_run()
-    exp_name = getattr(opts, "experiment_name", None)
-    run_name = getattr(opts, "run_name", None)
+    exp_name = opts.experiment_name if opts is not None else None
+    run_name = opts.run_name if opts is not None else None
     resume, source = _resume_target(opts, client, uri, active)
     if resume is not None:
         exp_id = str(resume.info.experiment_id)
@@ -291,7 +291,7 @@ def context_tags(source: str | None = None) -> dict[str, str]:
 
 def resolve_log_system_metrics(opts: Options | None, processes: int | None) -> bool:
     """``log_system_metrics=None`` means on for ``gpus=`` calls, off for ``processes=``."""
-    value = getattr(opts, "log_system_metrics", None)
+    value = opts.log_system_metrics if opts is not None else None
     if value is None:
         return processes is None
     return bool(value)

@@ -4,7 +4,7 @@ Variables that only act at interpreter start-up (``PYTHONHASHSEED``, ``LD_PRELOA
 affinity, ...) cannot be changed in a forked child, so a server serves one start-up
 signature (those variables' values, plus the preloaded modules). The registry keeps one
 server per signature while any call uses it (a call with another signature gets its own
-server and never disturbs a running one: issue 12, item 1), keeps the last one warm for the
+server and never disturbs a running one), keeps the last one warm for the
 next call, and closes the other idle ones.
 
 A server that failed to start is not tried again at once: ``auto`` calls start fresh
@@ -13,7 +13,7 @@ interpreters for a back-off (`RETRY_FIRST_S`, doubled after each further failure
 
 In a child forked from the caller the registry forgets every server (their channels are
 closed there, not used): the server notices the caller's death by its channel's EOF, and a
-forked child must not hold that open (item 3).
+forked child must not hold that open (the server would outlive the caller).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class ForkServer:
                     os.close(fd)
                 if reply is None:
                     raise ConnectionResetError("the fork server closed its channel")
-                if getattr(reply, "seq", None) == seq:
+                if isinstance(reply, p.Forked | p.ServerInfo | p.Failed) and reply.seq == seq:
                     break
                 log.debug("dropped the fork server's late reply %s", type(reply).__name__)
         if isinstance(reply, p.Failed):

@@ -6,11 +6,11 @@ one), keeps the rank's status pipe, and answers with the pids. It is the ranks' 
 reaps them (``SIGCHLD`` wakes its loop) and writes each exit code into that rank's status
 pipe, so the caller sees an exit within a millisecond.
 
-It is also the child subreaper of everything below it (issue 12, item 10): a descendant of a
-rank that ends re-parents here, and the server kills every child that is neither a running
-rank nor an idle pool child each time it reaps a rank. When the caller closes the channel
-(exit or death) the server exits; its children see the server's liveness pipe close and take
-their trees down themselves.
+It is also the child subreaper of everything below it, so nothing a rank started outlives
+it unseen: a descendant of a rank that ends re-parents here, and the server kills every
+child that is neither a running rank nor an idle pool child each time it reaps a rank.
+When the caller closes the channel (exit or death) the server exits; its children see the
+server's liveness pipe close and take their trees down themselves.
 
 A SIGTERM while ranks run is ignored: a scheduler that signals every process of the job
 (SLURM) would otherwise take the ranks down with the server while they save a checkpoint
@@ -192,7 +192,7 @@ class Server:
             platform.kill_children(keep=set(self.status) | {pid for pid, _ in self.pool})
 
     def handle(self, msg: object, fds: list[int]) -> None:
-        seq = int(getattr(msg, "seq", 0))
+        seq = msg.seq if isinstance(msg, p.Fork | p.Info) else 0  # the reply echoes it
         if isinstance(msg, p.Fork):
             try:
                 pids = self.fork(msg.ranks, fds)

@@ -56,6 +56,7 @@ class ForkedProcess:
         self._status_r = status_r
         self._server = server
         self.lost: LostRank | None = None  # set when the server died with this rank running
+        self.node: str | None = None  # forked on this node
         # Never waited for (Ctrl-C between the fork and the gang keeping this handle): the
         # status pipe's read end is closed when the handle goes, not leaked.
         self._unwaited = weakref.finalize(self, close_fds, (status_r,))
@@ -97,6 +98,10 @@ class ForkedProcess:
 
 class ForkServerSpawner:
     name = "forkserver"
+    lost_nodes: frozenset[str] = frozenset()  # one node
+
+    def nodes_elsewhere(self) -> dict[int, str]:
+        return {}
 
     def __init__(
         self,

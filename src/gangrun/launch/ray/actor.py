@@ -5,13 +5,14 @@ holding a liveness pipe whose write end lives in the actor: when the actor dies 
 the caller's driver exits, the node is lost) the rank kills its own tree.
 
 The caller beats (`RankActor.beat`, about once a second, through its Ray connection); an actor
-that hears nothing for ``caller_deadline`` seconds ends its rank and itself (issue 31, item 8).
+that hears nothing for ``caller_deadline`` seconds ends its rank and itself, so a dead
+caller leaves no rank running on the cluster.
 A caller's death reaches the actors through its driver only when the caller *is* the driver:
 under Ray Client (``ray://``) the driver is a process on the head that Ray keeps ~30 s after
 its client vanished (the client's reconnect grace), and the actors with it.
 
-Its private directory on the node (payload, context, result/error) never outlives it
-(issue 12, item 17): a tiny janitor process, detached from the actor, removes the directory
+Its private directory on the node (payload, context, result/error) never outlives it (the
+payload may hold secrets, and the node's disk is not ours to fill): a tiny janitor process, detached from the actor, removes the directory
 as soon as the actor is gone, however it went (Ray kills an exiting worker's children, so the
 janitor double-forks away from it); and every actor, when it starts, removes the directories
 of actors on its node that are gone (each directory names its actor by pid and start ticks).
