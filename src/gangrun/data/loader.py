@@ -127,6 +127,20 @@ class VolumeLoader(DataLoader):
         if "sampler" in kwargs or "batch_sampler" in kwargs or kwargs.get("shuffle"):
             raise ValueError("VolumeDataset does its own sharding and shuffling")
         self.volume = dataset
+        self._held = getattr(dataset, "held", None)
+        self._held_collate: Callable[[Any], Any] | None = None
+        if self._held is not None:  # workers yield parts of batches; joined here
+            _, world = dataset.rank_world()  # type: ignore[attr-defined]
+            share = self._held["global_batch"] // world
+            given = kwargs.pop("batch_size", None)
+            if given not in (None, share):
+                raise ValueError(
+                    f"the dataset holds global_batch_size={self._held['global_batch']}: each of "
+                    f"the {world} ranks' batches is its share ({share}); leave the loader's "
+                    f"batch_size unset (got {given})"
+                )
+            self._held_collate = kwargs.pop("collate_fn", None)
+            kwargs.update(batch_size=None, collate_fn=identity)
         persistent = bool(kwargs.get("persistent_workers")) and _workers(kwargs) > 0
         self._channel = EpochChannel() if persistent else None
         self._view = _TaggedView(dataset, self._channel)
@@ -138,9 +152,10 @@ class VolumeLoader(DataLoader):
 
             seed = int(getattr(dataset, "seed", 0))
             kwargs["generator"] = torch.Generator().manual_seed(seed)
-        kwargs["collate_fn"] = _Collate(
-            kwargs.get("collate_fn"), kwargs.get("batch_size", 1) is not None
-        )
+        if self._held is None:
+            kwargs["collate_fn"] = _Collate(
+                kwargs.get("collate_fn"), kwargs.get("batch_size", 1) is not None
+            )
         super().__init__(self._view, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
@@ -170,9 +185,44 @@ class VolumeLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._begin_pass()
+        if self._held is not None:
+            yield from self._joined(super().__iter__())
+            return
         for batch, (wid, progress) in super().__iter__():
             self.volume.record_progress(wid, progress)
             yield batch
+
+    def _joined(self, parts: Iterator[Any]) -> Iterator[Any]:
+        """The global batch held: each worker's part of the rank's batch ``k`` comes in turn
+        (the DataLoader takes its workers round-robin, in order); ``nw`` consecutive parts are
+        joined into the batch, in worker order, i.e. lane order (`gangrun.data.lanes`)."""
+        from torch.utils.data import default_collate
+
+        nw = max(1, int(self.num_workers))
+        join = getattr(self.volume, "held_join", None)
+        collate = self._held_collate or default_collate
+        got: list[Any] = []
+        for part, (wid, progress) in parts:
+            got.append(part)
+            if len(got) < nw:
+                continue
+            if join is not None:
+                batch = collate(join(got))
+            else:
+                batch = collate([s for p in got if p for s in p])
+            got = []
+            self.volume.record_progress(wid, progress)
+            yield batch
+
+    def __len__(self) -> int:
+        if self._held is not None:  # the rank's batches of an epoch (a worker yields parts)
+            return int(self.volume._lane_layout().batches)  # type: ignore[attr-defined]
+        return super().__len__()
+
+
+def identity(x: Any) -> Any:
+    """What the workers' collate does with a held global batch's parts: nothing."""
+    return x
 
 
 def _workers(kwargs: dict[str, Any]) -> int:

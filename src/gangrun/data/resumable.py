@@ -21,6 +21,8 @@ class ResumableEpochs:
     seed: int
     _live: dict[str, Any] | None
     _resume: dict[str, Any] | None
+    #: ``{"global_batch": G, "lanes": K}`` when the global batch is held (`gangrun.data.lanes`)
+    held: dict[str, int] | None = None
 
     def rank_world(self) -> tuple[int, int]:  # pragma: no cover - each dataset's own
         raise NotImplementedError
@@ -87,6 +89,9 @@ class ResumableEpochs:
         (the tag ``iter_tagged`` attached to them)."""
         if self._live is None:
             raise RuntimeError("record_progress() before start_progress()")
+        if "held" in self._live:  # the global batches the world consumed: one number
+            self._live["batches"] = int(progress)  # type: ignore[call-overload]
+            return
         workers = self._live["workers"]
         workers[worker] = list(progress)
         self._live["next"] = (worker + 1) % len(workers)  # the round-robin's next worker
@@ -118,8 +123,11 @@ class ResumableEpochs:
             for r, p in elastic.records_of(state).items()
             if p.get("epoch") == self._epoch and p.get("seed") == self.seed
         }
+        held = [p for p in recs.values() if "held" in p]
         marker = next((p for p in recs.values() if "merged" in p), None)
-        if marker is not None:  # saved again before the resumed pass began
+        if held:  # every rank consumed the same global batches: any rank's record holds it
+            self._resume = recs.get(rank) or recs[min(recs)]
+        elif marker is not None:  # saved again before the resumed pass began
             self._resume = marker
         elif set(recs) - {rank}:
             self._resume = elastic.merged(recs)
@@ -130,6 +138,12 @@ class ResumableEpochs:
         """``"data: the rest of epoch E (X of N rows left)"`` when the restored position is
         every rank's of another world (the pass to come continues the epoch's rest)."""
         start = self._resume
+        if start and "held" in start:
+            lay = self._lane_layout()
+            return (
+                f"data at global batch {start.get('batches', 0)} of {lay.batches} of epoch "
+                f"{self._epoch} (global batch {lay.global_batch} held)"
+            )
         if not start or "merged" not in start:
             return None
         left, total, unit = self._rest_size({"scope": "world", "ranks": start["merged"]})
@@ -137,6 +151,75 @@ class ResumableEpochs:
 
     def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:  # pragma: no cover
         raise NotImplementedError
+
+    # -- the global batch held (`gangrun.data.lanes`) -------------------------------------------
+
+    def _items(self) -> int:  # pragma: no cover - each dataset's own
+        raise NotImplementedError
+
+    def _held_init(self, global_batch: int | None, lanes: int | None, per_item: bool) -> None:
+        """Check and keep ``global_batch_size``/``lanes`` (a ``ValueError`` naming what to
+        change when this world cannot hold them)."""
+        from . import lanes as lanes_
+
+        if global_batch is None:
+            if lanes is not None:
+                raise ValueError(f"{type(self).__name__}: lanes= needs global_batch_size=")
+            self.held = None
+            return
+        k = lanes_.default_lanes(int(global_batch), per_item) if lanes is None else lanes
+        rank, world = self.rank_world()
+        lanes_.check(global_batch, k, world, type(self).__name__, rank)
+        self.held = {"global_batch": int(global_batch), "lanes": int(k)}
+
+    def _lane_layout(self) -> Any:
+        from . import lanes as lanes_
+
+        assert self.held is not None
+        uneven = getattr(self, "uneven", "pad")
+        return lanes_.layout(self._items(), self.held["global_batch"], self.held["lanes"], uneven)
+
+    def _held_worker(
+        self, start: dict[str, Any] | None, wid: int, nw: int
+    ) -> tuple[Any, range, int]:
+        """``(layout, lanes, first batch)`` of DataLoader worker ``wid`` of ``nw`` on this rank."""
+        from . import lanes as lanes_
+
+        rank, world = self.rank_world()
+        lay = self._lane_layout()
+        mine = lanes_.worker_lanes(lanes_.rank_lanes(lay.lanes, rank, world), wid, nw)
+        return lay, mine, int(start.get("batches") or 0) if start else 0
+
+    def _held_record(self, nw: int, start: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
+        """The position record of a pass with the global batch held: the global batches of
+        the epoch the world consumed (the same number on every rank, whatever its size)."""
+        _, world = self.rank_world()
+        return {
+            "epoch": self._epoch,
+            "seed": self.seed,
+            "world_size": world,
+            "num_workers": nw,
+            **fields,
+            "held": dict(self.held or {}),
+            "batches": int(start.get("batches") or 0) if start else 0,
+        }
+
+    def _held_matches(self, start: dict[str, Any]) -> bool:
+        """Whether ``start`` was saved in this dataset's mode (global batch held with the same
+        global batch and lanes, or not held); else a warning says the epoch restarts."""
+        if start.get("held") == self.held or ("held" not in start and self.held is None):
+            return True
+        import warnings
+
+        saved = start.get("held")
+        warnings.warn(
+            f"{type(self).__name__}: the saved position was made with "
+            f"{_held_text(saved)}, this dataset has {_held_text(self.held)}; epoch "
+            f"{self._epoch} restarts from its beginning (keep global_batch_size= and lanes= "
+            "for the whole run).",
+            stacklevel=4,
+        )
+        return False
 
     def _planned(
         self, start: dict[str, Any] | None, nw: int, same: Any, fresh: Any, warn: bool
@@ -146,6 +229,12 @@ class ResumableEpochs:
 
         rank, world = self.rank_world()
         return elastic.plan_start(start, rank, world, nw, same, fresh, type(self).__name__, warn)
+
+
+def _held_text(held: dict[str, int] | None) -> str:
+    if not held:
+        return "no global_batch_size (a per-rank order)"
+    return f"global_batch_size={held.get('global_batch')}, lanes={held.get('lanes')}"
 
 
 __all__ = ["ResumableEpochs"]

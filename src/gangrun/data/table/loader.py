@@ -73,6 +73,7 @@ class TableLoader(VolumeLoader):
             and dataset.transform is None
             and kwargs.get("collate_fn") in (None, identity)  # a collate_fn sees batches
             and not kwargs.get("pin_memory")  # pinned: the DataLoader pins tensors
+            and dataset.held is None  # held: workers yield parts of batches, joined here
         )
         view: Any = _WireView(dataset) if self._wire else dataset
         super().__init__(view, **kwargs)
@@ -96,6 +97,9 @@ class TableLoader(VolumeLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._begin_pass()
+        if self._held is not None:
+            yield from self._joined(self._start_pass(None))
+            return
         if self._channel is not None:  # persistent workers: started by the first pass
             if not self._started:
                 self._kept_pool = self._lend_pool() if self._wire else None

@@ -1,0 +1,141 @@
+"""`TableDataset` with the global batch held: each worker reads its lanes' rows, batch by
+batch (`gangrun.data.lanes`), and the loader joins the workers' parts.
+
+A lane is a run of the epoch's rows as a DataLoader worker's run is without the global batch
+held (contiguous positions in the row groups' order, shuffled in blocks of ``shuffle_buffer``
+rows each permuted by a seed of its own, from the lane's first position: `table.plan`), so a
+lane's order depends on the seed, the epoch and the lanes only, never on the world size or
+the workers. A worker reads each of its lanes through its own reader (a row group is read by
+the one worker whose lane holds it) and takes ``global_batch // lanes`` rows of each per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from .. import lanes
+from ..read_errors import read_error
+from .convert import as_record_batch, convert
+from .source import READ_ERRORS
+
+
+class _LaneRows:
+    """The rows of one lane, taken ``n`` at a time (with the row groups they come from)."""
+
+    def __init__(self, chunks: Iterator[tuple[Any, list[int]]]) -> None:
+        self.chunks = chunks
+        self.buf: list[Any] = []
+        self.have = 0
+        self.units: list[int] = []
+
+    def take(self, n: int) -> tuple[list[Any], list[int]]:
+        while self.have < n:
+            got = next(self.chunks, None)
+            if got is None:
+                break
+            table, units = got
+            self.buf.append(table)
+            self.have += table.num_rows
+            self.units.extend(units)
+        out, left = [], n
+        while left and self.buf:
+            head = self.buf[0]
+            if head.num_rows <= left:
+                out.append(head)
+                self.buf.pop(0)
+                left -= head.num_rows
+            else:
+                out.append(head.slice(0, left))
+                self.buf[0] = head.slice(left)
+                left = 0
+        self.have -= n - left
+        units, self.units = self.units, self.units[-1:]
+        return out, units
+
+    def close(self) -> None:
+        close = getattr(self.chunks, "close", None)
+        if close is not None:
+            close()
+
+
+def iterate(
+    ds: Any, start: dict[str, Any] | None, tagged: bool, wid: int, nw: int, track: bool
+) -> Iterator[Any]:
+    """This worker's part of each global batch from the one ``start`` names: converted to
+    the dataset's output (``None`` for a worker without lanes) tagged ``(wid, batches done)``;
+    iterated directly (``track``), the rank's batches, transformed, their position recorded."""
+    import pyarrow as pa
+    from torch.utils.data import get_worker_info
+
+    pickled = get_worker_info() is not None  # parts cross to the loader's process
+    lay, mine, first = ds._held_worker(start, wid, nw)
+    order = ds.unit_order()
+    b = lay.part
+    rows = [
+        _LaneRows(ds._chunks(order, lanes.lane_start(lay, lane), lay.length, first * b))
+        for lane in mine
+    ]
+    if track:
+        ds.start_progress(1, start)
+    try:
+        for k in range(first, lay.batches):
+            out = None
+            if rows:
+                parts: list[Any] = []
+                units: list[int] = []
+                for lane in rows:
+                    got, used = lane.take(b)
+                    parts += got
+                    units += used
+                table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+                try:
+                    out = convert(as_record_batch(table), ds.output, pickled)
+                except READ_ERRORS as e:  # a damaged column: a string that is not UTF-8, ...
+                    places = [ds._place(u) for u in dict.fromkeys(units)]
+                    rank = ds.rank_world()[0]
+                    doing = "could not convert the rows of"
+                    raise read_error("TableDataset", places, e, rank, doing=doing) from e
+            if tagged:
+                yield out, (wid, k + 1)
+                continue
+            if ds.transform is not None:
+                out = ds.transform(out)
+            if track:
+                ds._live["batches"] = k + 1
+            yield out
+    finally:
+        for lane in rows:
+            lane.close()
+
+
+def join(parts: list[Any], output: str) -> Any:
+    """One batch of the workers' parts (``None``: a worker without lanes), in order."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 1:
+        return parts[0]
+    if output == "arrow":
+        import pyarrow as pa
+
+        return pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+    if output == "pandas":
+        import pandas as pd
+
+        return pd.concat(parts, ignore_index=True)
+    out: dict[str, Any] = {}
+    for name in parts[0]:
+        cols = [p[name] for p in parts]
+        if isinstance(cols[0], list):
+            out[name] = [v for c in cols for v in c]
+        elif output == "numpy":
+            import numpy as np
+
+            out[name] = np.concatenate(cols)
+        else:
+            import torch
+
+            out[name] = torch.cat(cols)
+    return out
+
+
+__all__ = ["iterate", "join"]
