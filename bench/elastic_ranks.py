@@ -69,3 +69,40 @@ def rest_of_epoch(kind: str, source: str, workers: int, saved_world: int, cut: f
     dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def held_vs_rank(kind: str, source: str, workers: int, reps: int) -> dict:
+    """Seconds of whole epochs on this rank (the ranks start each pass together), ``workers``
+    DataLoader workers: ``rank``, today's per-rank order (a table's batch of 4096 rows, 64
+    files a batch); ``held``, the global batch held (``global_batch_size`` = the world's
+    batches of the same size, default lanes). ``reps`` passes of each, alternated."""
+    from gangrun.data import TableDataset, VolumeDataset
+
+    dist = _dist()
+    world = dist.get_world_size()
+    per = 4096 if kind == "table" else 64
+
+    def make(held: bool) -> Any:
+        g = {"global_batch_size": per * world} if held else {}
+        if kind == "table":
+            size = {} if held else {"batch_size": per}
+            ds = TableDataset(source, shuffle=True, seed=1, **size, **g)
+            return ds, ds.loader(num_workers=workers, persistent_workers=False)
+        ds = VolumeDataset(source, shuffle=True, seed=1, **g)
+        size = {} if held else {"batch_size": per}
+        return ds, ds.loader(num_workers=workers, persistent_workers=False, **size)
+
+    out: dict[str, Any] = {"rank": [], "held": [], "rank_samples": 0, "held_samples": 0}
+    for i in range(reps):
+        for arm in ("rank", "held") if i % 2 == 0 else ("held", "rank"):
+            ds, loader = make(arm == "held")
+            ds.set_epoch(i)
+            dist.barrier()
+            t = time.perf_counter()
+            n, _ = _samples(kind, loader)
+            out[arm].append(time.perf_counter() - t)
+            out[arm + "_samples"] = n
+            del loader
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
