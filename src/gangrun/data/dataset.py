@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
-from . import elastic, lanes, sharding
+from . import elastic, lanes, sharding, split
 from .cache import FileCache, parse_size
 from .listing import LOCAL_PROTOCOLS, FileEntry, list_files, read_local
 from .prefetch import Progress, stream
 from .read_errors import DataReadError, place, read_error
 from .resumable import ResumableEpochs
+from .split import Position
 
 if TYPE_CHECKING:
     from .loader import VolumeLoader
@@ -106,8 +107,9 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         self._fs_pid = -1
         self._keys: dict[str, str] = {}
         self._epoch = 0
-        self._resume: dict[str, Any] | None = None  # applied once, by the next iteration
-        self._live: dict[str, Any] | None = None  # progress of the current/last iteration
+        self._resume: split.Position | None = None  # applied once, by the next iteration
+        self._live: split.Position | None = None  # progress of the current/last iteration
+        self.rank_world()  # RANK without WORLD_SIZE: an error now, not a rank reading it all
         if global_batch_size is not None and samples_per_rank is not None:
             raise ValueError(
                 "VolumeDataset: global_batch_size and samples_per_rank exclude each other (a "
@@ -119,7 +121,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
 
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)`` this dataset shards for (arguments, else the environment)."""
-        return sharding.rank_world(self._rank, self._world_size)
+        return split.rank_world(self._rank, self._world_size, "VolumeDataset")
 
     def epoch_order(self, epoch: int | None = None) -> list[int]:
         """Indexes into `files` in the order of ``epoch`` (same on every rank)."""
@@ -139,7 +141,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         if self.samples_per_rank is not None:
             return self.samples_per_rank
         if self.held is not None:
-            return self._lane_layout().batches * self.held["global_batch"] // self.rank_world()[1]
+            return self.lane_layout().batches * self.held["global_batch"] // self.rank_world()[1]
         return len(self.rank_files())
 
     def _items(self) -> int:
@@ -246,7 +248,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             )
         return read_error("VolumeDataset", [place(entry.path)], error, self.rank_world()[0])
 
-    def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
+    def _iterate(self, start: Position | None, tagged: bool) -> Iterator[Any]:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
@@ -275,12 +277,12 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         yield from self._deliver(self._stream(files, quota, wstart, skips), wid, tagged, track)
 
     def _iterate_held(
-        self, start: dict[str, Any] | None, tagged: bool, wid: int, nw: int, track: bool
+        self, start: Position | None, tagged: bool, wid: int, nw: int, track: bool
     ) -> Iterator[Any]:
         """The global batch held: this worker's part of each global batch from the one the
         position names (tagged: a list of samples per batch, ``None`` for a worker without
         lanes), or, iterated directly, the samples one by one."""
-        lay, mine, first = self._held_worker(start, wid, nw)
+        lay, mine, first = self.held_worker(start, wid, nw)
         order = self.epoch_order()
         files = [self.files[order[p]] for p in lanes.run(lay, mine, first)]
         per = len(mine) * lay.part
@@ -305,18 +307,18 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
                 continue
             for i, sample in enumerate(part):
                 if track and i == len(part) - 1:
-                    self._live["batches"] = k + 1  # type: ignore[index]
+                    self.record_progress(0, k + 1)
                 yield sample
 
-    def _plan(self, start: dict[str, Any] | None, nw: int, warn: bool) -> dict[str, Any] | None:
+    def _plan(self, start: Position | None, nw: int, warn: bool) -> Position | None:
         """The record a pass of ``nw`` workers starts from: ``start`` on the same layout, the
         rest of the epoch on another (`elastic`), or ``None`` (a fresh epoch)."""
         if self.held is not None:  # the global batch index: the same on any layout
             return start
         _, world = self.rank_world()
 
-        def same(s: dict[str, Any]) -> bool:
-            return sharding.same_layout(s, world, nw)
+        def same(s: Position) -> bool:
+            return split.same_layout(s, world, nw)
 
         if self.samples_per_rank is not None:  # a quota per rank: no rest to continue
             if start is None or ("merged" not in start and same(start)):
@@ -334,7 +336,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             start,
             nw,
             same,
-            lambda: sharding.progress_record(self._epoch, world, nw, len(self.files), self.seed),
+            lambda: split.position(self._epoch, world, nw, self.seed, files=len(self.files)),
             warn,
         )
 
@@ -346,7 +348,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
     # iteration keeps it up to date itself; a loader that runs the dataset in worker processes
     # uses the four public methods below (see VolumeLoader).
 
-    def resume_position(self) -> dict[str, Any] | None:
+    def resume_position(self) -> Position | None:
         """Take the position restored by `load_state_dict`, once: the pass that starts
         now continues from it. ``None`` when nothing was restored, or (with a warning) when it
         does not match this dataset's epoch or file count, so the epoch restarts."""
@@ -367,7 +369,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         rest = elastic.rest_files(base, n, self.shuffle, self.seed, self.uneven)
         return len(rest), n, "files"
 
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+    def start_progress(self, num_workers: int, start: Position | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
         position ``start`` (on another world size or worker count: the rest of its epoch,
         `elastic`). `state_dict` reports this pass from now on."""
@@ -380,8 +382,10 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         if planned is not None and planned.get("base") is not None:  # the rest, computed once
             rank = self.rank_world()[0]  # here: workers forked after this inherit it
             elastic.file_runs(planned, rank, len(self.files), self.shuffle, self.seed, self.uneven)
-        self._live = sharding.progress_record(
-            self._epoch, world, nw, len(self.files), self.seed, planned
+        self._live = (
+            split.copied(planned)
+            if planned is not None
+            else split.position(self._epoch, world, nw, self.seed, files=len(self.files))
         )
 
     # -- DataLoader ----------------------------------------------------------------------------

@@ -15,19 +15,21 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from .split import Position
+
 
 class ResumableEpochs:
     _epoch: int
     seed: int
-    _live: dict[str, Any] | None
-    _resume: dict[str, Any] | None
+    _live: Position | None
+    _resume: Position | None
     #: ``{"global_batch": G, "lanes": K}`` when the global batch is held (`gangrun.data.lanes`)
     held: dict[str, int] | None = None
 
     def rank_world(self) -> tuple[int, int]:  # pragma: no cover - each dataset's own
         raise NotImplementedError
 
-    def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
+    def _iterate(self, start: Position | None, tagged: bool) -> Iterator[Any]:
         raise NotImplementedError  # pragma: no cover - each dataset's own
 
     def __iter__(self) -> Iterator[Any]:
@@ -36,11 +38,11 @@ class ResumableEpochs:
         start = self.resume_position() if get_worker_info() is None else self._resume
         return self._iterate(start, tagged=False)
 
-    def resume_position(self) -> dict[str, Any] | None:  # pragma: no cover - each dataset's
+    def resume_position(self) -> Position | None:  # pragma: no cover - each dataset's
         raise NotImplementedError
 
     @staticmethod
-    def _logical_worker(wid: int, nw: int, start: dict[str, Any] | None) -> int:
+    def _logical_worker(wid: int, nw: int, start: Position | None) -> int:
         """The worker of the saved pass that DataLoader worker ``wid`` continues.
 
         A DataLoader hands batches out round-robin over its workers, starting each pass at
@@ -68,7 +70,7 @@ class ResumableEpochs:
             for item, _ in items:
                 yield item
 
-    def position(self) -> dict[str, Any] | None:
+    def position(self) -> Position | None:
         """The position record of the pass under way (or the last one), as it is now."""
         return self._live
 
@@ -84,19 +86,20 @@ class ResumableEpochs:
             self._live = None
         self._epoch = epoch
 
-    def record_progress(self, worker: int, progress: Sequence[int]) -> None:
+    def record_progress(self, worker: int, progress: Sequence[int] | int) -> None:
         """Note that the training loop received worker ``worker``'s items up to ``progress``
-        (the tag ``iter_tagged`` attached to them)."""
+        (the tag ``iter_tagged`` attached to them; the global batch held: the global batches
+        of the epoch consumed)."""
         if self._live is None:
             raise RuntimeError("record_progress() before start_progress()")
-        if "held" in self._live:  # the global batches the world consumed: one number
-            self._live["batches"] = int(progress)  # type: ignore[call-overload]
+        if isinstance(progress, int):  # the global batches the world consumed: one number
+            self._live["batches"] = progress
             return
         workers = self._live["workers"]
         workers[worker] = list(progress)
         self._live["next"] = (worker + 1) % len(workers)  # the round-robin's next worker
 
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+    def iter_tagged(self, start: Position | None = None) -> Iterator[tuple[Any, Any]]:
         """``(item, (worker id, progress))`` pairs of this DataLoader worker's (or this
         process's) share, from position ``start``; does not record progress itself: pass the
         tags the training loop received to ``record_progress``."""
@@ -139,7 +142,7 @@ class ResumableEpochs:
         every rank's of another world (the pass to come continues the epoch's rest)."""
         start = self._resume
         if start and "held" in start:
-            lay = self._lane_layout()
+            lay = self.lane_layout()
             return (
                 f"data at global batch {start.get('batches', 0)} of {lay.batches} of epoch "
                 f"{self._epoch} (global batch {lay.global_batch} held)"
@@ -172,39 +175,33 @@ class ResumableEpochs:
         lanes_.check(global_batch, k, world, type(self).__name__, rank)
         self.held = {"global_batch": int(global_batch), "lanes": int(k)}
 
-    def _lane_layout(self) -> Any:
+    def lane_layout(self) -> Any:
         from . import lanes as lanes_
 
         assert self.held is not None
         uneven = getattr(self, "uneven", "pad")
         return lanes_.layout(self._items(), self.held["global_batch"], self.held["lanes"], uneven)
 
-    def _held_worker(
-        self, start: dict[str, Any] | None, wid: int, nw: int
-    ) -> tuple[Any, range, int]:
+    def held_worker(self, start: Position | None, wid: int, nw: int) -> tuple[Any, range, int]:
         """``(layout, lanes, first batch)`` of DataLoader worker ``wid`` of ``nw`` on this rank."""
         from . import lanes as lanes_
 
         rank, world = self.rank_world()
-        lay = self._lane_layout()
+        lay = self.lane_layout()
         mine = lanes_.worker_lanes(lanes_.rank_lanes(lay.lanes, rank, world), wid, nw)
         return lay, mine, int(start.get("batches") or 0) if start else 0
 
-    def _held_record(self, nw: int, start: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
+    def _held_record(self, nw: int, start: Position | None, **fields: Any) -> Position:
         """The position record of a pass with the global batch held: the global batches of
         the epoch the world consumed (the same number on every rank, whatever its size)."""
         _, world = self.rank_world()
-        return {
-            "epoch": self._epoch,
-            "seed": self.seed,
-            "world_size": world,
-            "num_workers": nw,
-            **fields,
-            "held": dict(self.held or {}),
-            "batches": int(start.get("batches") or 0) if start else 0,
-        }
+        rec = Position(epoch=self._epoch, seed=self.seed, world_size=world, num_workers=nw)
+        rec.update(fields)  # type: ignore[typeddict-item]
+        rec["held"] = dict(self.held or {})
+        rec["batches"] = int(start.get("batches") or 0) if start else 0
+        return rec
 
-    def _held_matches(self, start: dict[str, Any]) -> bool:
+    def _held_matches(self, start: Position) -> bool:
         """Whether ``start`` was saved in this dataset's mode (global batch held with the same
         global batch and lanes, or not held); else a warning says the epoch restarts."""
         if start.get("held") == self.held or ("held" not in start and self.held is None):
@@ -222,8 +219,8 @@ class ResumableEpochs:
         return False
 
     def _planned(
-        self, start: dict[str, Any] | None, nw: int, same: Any, fresh: Any, warn: bool
-    ) -> dict[str, Any] | None:
+        self, start: Position | None, nw: int, same: Any, fresh: Any, warn: bool
+    ) -> Position | None:
         """The record a pass of ``nw`` workers starts from (`elastic.plan_start`)."""
         from . import elastic
 

@@ -11,7 +11,6 @@ Arrow batches into tensors is `table.convert`, handing them over from DataLoader
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -19,12 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
-from .. import elastic
+from .. import elastic, split
 from ..cache import parse_size
 from ..listing import LOCAL_PROTOCOLS
 from ..loader import keep_workers_by_default
 from ..read_errors import place, read_error
 from ..resumable import ResumableEpochs
+from ..split import Position
 from . import held, plan, rest
 from .convert import OUTPUTS, as_record_batch, convert
 from .delta import resolve
@@ -136,7 +136,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {', '.join(OUTPUTS)}, got {output!r}")
         self._rank, self._world_size = rank, world_size
-        _, world = plan.env_rank_world(rank, world_size)  # RANK without WORLD_SIZE: an error now
+        _, world = split.rank_world(rank, world_size, "TableDataset")  # RANK alone: an error now
         if global_batch_size is not None:
             share = int(global_batch_size) // world
             if batch_size is not None and int(batch_size) != share:
@@ -181,8 +181,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
         self.fingerprint = fingerprint(self.table, self.units, f"{self.filter}")
         self._unit_rows = [n for _, _, n in self.units]
         self._epoch = 0
-        self._resume: dict[str, Any] | None = None
-        self._live: dict[str, Any] | None = None
+        self._resume: split.Position | None = None
+        self._live: split.Position | None = None
         self._held_init(global_batch_size, lanes, per_item=False)
         self.pool: BlockPool | None = None  # TableLoader's shared memory blocks (kept)
         self.pool_active: BlockPool | None = None  # lent to the pass whose workers run now
@@ -191,7 +191,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)`` this dataset splits for (arguments, else the environment)."""
-        return plan.env_rank_world(self._rank, self._world_size)
+        return split.rank_world(self._rank, self._world_size, "TableDataset")
 
     def layout(self, rank: int | None = None) -> plan.Layout:
         """Rank ``rank``'s share of the epoch (first position, rows, batches)."""
@@ -202,7 +202,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
     def __len__(self) -> int:
         """Batches per rank and epoch (the same on every rank)."""
         if self.held is not None:
-            return int(self._lane_layout().batches)
+            return int(self.lane_layout().batches)
         return self.layout().batches
 
     def _items(self) -> int:
@@ -343,15 +343,16 @@ class TableDataset(ResumableEpochs, IterableDataset):
         f, g, _ = self.units[unit]
         return place(self.table.files[f].path, g)
 
-    def _iterate(
-        self, start: dict[str, Any] | None, tagged: bool, wire: bool = False
-    ) -> Iterator[Any]:
+    def _iterate(self, start: Position | None, tagged: bool, wire: bool = False) -> Iterator[Any]:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         if self.held is not None:
-            yield from held.iterate(self, start, tagged, wid, nw, info is None and not tagged)
+            track = info is None and not tagged
+            yield from held.iterate(
+                self, start, tagged, wid, nw, track, self._chunks, self._place, wire
+            )
             return
         rank, _ = self.rank_world()
         start = self._plan(start, nw, warn=info is None or info.id == 0)
@@ -362,7 +363,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
             positions = self._split().runs(start, rank)[wid]
 
             def chunks(done: int) -> Iterator[tuple[pa.Table, list[int]]]:
-                return rest.rows_at(self, positions[done:])
+                return rest.rows_at(self, self._unit_rows, positions[done:])
         else:
             wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
 
@@ -379,7 +380,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
             self.rows, self.shuffle, self.shuffle_buffer, self.seed, self.uneven, self.drop_last
         )
 
-    def _plan(self, start: dict[str, Any] | None, nw: int, warn: bool) -> dict[str, Any] | None:
+    def _plan(self, start: Position | None, nw: int, warn: bool) -> Position | None:
         """The record a pass of ``nw`` workers starts from: ``start`` on the same layout, the
         rest of the epoch on another (`elastic`), or ``None`` (a fresh epoch)."""
         if self.held is not None:  # the global batch index: the same on any layout
@@ -389,13 +390,11 @@ class TableDataset(ResumableEpochs, IterableDataset):
             start,
             nw,
             lambda s: self._same_layout(s, world, nw),
-            lambda: plan.progress_record(
-                self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
-            ),
+            lambda: self._position(world, nw),
             warn,
         )
 
-    def iter_wire(self, start: dict[str, Any] | None) -> Iterator[Any]:
+    def iter_wire(self, start: Position | None) -> Iterator[Any]:
         """What `TableLoader`'s workers iterate: ``(WireChunk, (worker, progress))`` items."""
         return self._iterate(start, tagged=True, wire=True)
 
@@ -405,15 +404,10 @@ class TableDataset(ResumableEpochs, IterableDataset):
     # "table" (fingerprint of files, row groups, filter), "workers": [[batches, rows] yielded
     # by each DataLoader worker, or None]}.
 
-    def _same_layout(self, start: dict[str, Any] | None, world: int, nw: int) -> bool:
-        return (
-            start is not None
-            and start.get("num_workers") == nw
-            and start.get("world_size") == world
-            and start.get("batch_size") == self.batch_size
-        )
+    def _same_layout(self, start: Position | None, world: int, nw: int) -> bool:
+        return split.same_layout(start, world, nw, self.batch_size)
 
-    def resume_position(self) -> dict[str, Any] | None:
+    def resume_position(self) -> Position | None:
         """Take the position restored by `load_state_dict`, once (``None`` when nothing
         was restored, or, with a warning, when it does not match this table and epoch)."""
         start, self._resume = self._resume, None
@@ -440,7 +434,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
     def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:
         return len(self._split().rest(base)), self.rows, "rows"
 
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+    def start_progress(self, num_workers: int, start: Position | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
         ``start`` (on another world size, worker count or batch size: the rest of its epoch,
         `elastic`)."""
@@ -453,12 +447,19 @@ class TableDataset(ResumableEpochs, IterableDataset):
         planned = self._plan(start, nw, warn=False)
         if planned is not None and planned.get("base") is not None:  # the rest, computed once
             self._split().runs(planned, self.rank_world()[0])  # (workers forked after inherit it)
-        if planned is not None:
-            self._live = json.loads(json.dumps(planned))
-        else:
-            self._live = plan.progress_record(
-                self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
-            )
+        self._live = split.copied(planned) if planned is not None else self._position(world, nw)
+
+    def _position(self, world: int, nw: int) -> split.Position:
+        """A fresh position record of a pass (`split.Position`)."""
+        return split.position(
+            self._epoch,
+            world,
+            nw,
+            self.seed,
+            rows=self.rows,
+            batch_size=self.batch_size,
+            table=self.fingerprint,
+        )
 
     def loader(self, **dataloader_kwargs: Any) -> TableLoader:
         """A ``DataLoader`` over this dataset's batches that keeps `state_dict` exact

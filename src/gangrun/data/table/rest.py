@@ -13,17 +13,19 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 
-def rows_at(ds: Any, positions: Any, keep: int = 4) -> Iterator[tuple[pa.Table, list[int]]]:
+def rows_at(
+    ds: Any, unit_rows: list[int], positions: Any, keep: int = 4
+) -> Iterator[tuple[pa.Table, list[int]]]:
     """Arrow tables of the rows at epoch ``positions``, in that order (the rest of an
     epoch, `elastic`), ``shuffle_buffer`` rows at a time: each row group they touch is
     read whole, and the last ``keep`` read are kept (the rest of a shuffled block spans
-    the row groups of the next one too)."""
+    the row groups of the next one too). ``unit_rows``: the rows of each row group."""
     import numpy as np
     import pyarrow as pa
     from torch.utils.data import get_worker_info
 
     order = ds.unit_order()
-    rows = np.array([ds._unit_rows[u] for u in order], dtype=np.int64)
+    rows = np.array([unit_rows[u] for u in order], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(rows)])
     where = np.searchsorted(offsets, positions, side="right") - 1
     size = max(1, ds.shuffle_buffer)
