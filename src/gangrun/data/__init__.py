@@ -35,7 +35,9 @@ Modules (every one importable on its own; only ``dataset``, ``loader`` and ``sam
 torch):
 
 - ``listing``: `FileEntry`, listing and sorting a source's files (fsspec), local reads;
-- ``sharding``: epoch order, rank shares, worker plans, position records (pure: no torch, no
+- ``split``: what both datasets split alike: the rank and world size (strict), an epoch's
+  order, the position record (pure);
+- ``sharding``: a `VolumeDataset`'s epoch order, rank shares, worker plans (pure: no torch, no
   fsspec);
 - ``cache``: `FileCache`, the node-local cache of remote files;
 - ``prefetch``: reading a worker's files in order with misses fetched ahead;

@@ -51,7 +51,8 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         prefetch: files read ahead by a background thread in each worker (default: 4 for
             remote, 0 for local files).
         rank, world_size: override ``RANK``/``WORLD_SIZE`` (otherwise from the environment
-            that gangrun or torchrun sets; 0 and 1 when unset).
+            that gangrun or torchrun sets; 0 and 1 when neither is set; one without the other
+            is an error).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for s3).
         global_batch_size: hold the global batch: the loader's batches are each rank's share
             (``global_batch_size // world_size`` samples) of global batch ``k``, the same set
