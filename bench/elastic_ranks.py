@@ -82,8 +82,11 @@ def held_vs_rank(kind: str, source: str, workers: int, reps: int) -> dict:
     world = dist.get_world_size()
     per = 4096 if kind == "table" else 64
 
-    def make(held: bool) -> Any:
-        g = {"global_batch_size": per * world} if held else {}
+    def make(arm: str) -> Any:
+        held = arm != "rank"
+        g: dict[str, int] = {"global_batch_size": per * world} if held else {}
+        if arm == "held_one_lane":  # a lane per worker: the layout of the per-rank order
+            g["lanes"] = world * max(1, workers)
         if kind == "table":
             size = {} if held else {"batch_size": per}
             ds = TableDataset(source, shuffle=True, seed=1, **size, **g)
@@ -92,10 +95,11 @@ def held_vs_rank(kind: str, source: str, workers: int, reps: int) -> dict:
         size = {} if held else {"batch_size": per}
         return ds, ds.loader(num_workers=workers, persistent_workers=False, **size)
 
-    out: dict[str, Any] = {"rank": [], "held": [], "rank_samples": 0, "held_samples": 0}
+    arms = ("rank", "held", "held_one_lane")
+    out: dict[str, Any] = {a: [] for a in arms}
     for i in range(reps):
-        for arm in ("rank", "held") if i % 2 == 0 else ("held", "rank"):
-            ds, loader = make(arm == "held")
+        for arm in arms[i % 3 :] + arms[: i % 3]:
+            ds, loader = make(arm)
             ds.set_epoch(i)
             dist.barrier()
             t = time.perf_counter()

@@ -101,14 +101,23 @@ def iterate(
     if pool is not None:
         pool.reclaim(wid)  # a persistent worker: its last pass's undelivered chunks
     group: list[Any] = []
+    group_units: list[int] = []
     group_bytes, limit, at = 0, 1, first
 
+    def named(units: list[int], error: Exception, doing: str) -> Exception:
+        places = [place(u) for u in dict.fromkeys(units)]
+        return read_error("TableDataset", places, error, ds.rank_world()[0], doing=doing)
+
     def flush() -> Any:
-        nonlocal group, group_bytes, limit, at
+        nonlocal group, group_units, group_bytes, limit, at
         send = to_wire_ipc if ds.output == "arrow" else to_wire
-        chunk = send(group, (at, 0), pool, wid)
+        try:  # the hand-over converts the columns
+            chunk = send(group, (at, 0), pool, wid)
+        except READ_ERRORS as e:
+            raise named(group_units, e, "could not hand over the rows of") from e
         at += len(group)
-        group, group_bytes, limit = [], 0, min(2 * limit, CHUNK_BATCHES)
+        group, group_units, group_bytes = [], [], 0
+        limit = min(2 * limit, CHUNK_BATCHES)
         return chunk, (wid, at)
 
     try:
@@ -124,6 +133,7 @@ def iterate(
                 if group and group_bytes + table.nbytes > CHUNK_BYTES:
                     yield flush()
                 group.append(table)
+                group_units.extend(units)
                 group_bytes += table.nbytes
                 if len(group) >= limit:
                     yield flush()
@@ -131,10 +141,7 @@ def iterate(
             try:
                 out = convert(as_record_batch(table), ds.output, pickled)
             except READ_ERRORS as e:  # a damaged column: a string that is not UTF-8, ...
-                places = [place(u) for u in dict.fromkeys(units)]
-                rank = ds.rank_world()[0]
-                doing = "could not convert the rows of"
-                raise read_error("TableDataset", places, e, rank, doing=doing) from e
+                raise named(units, e, "could not convert the rows of") from e
             if tagged:
                 yield out, (wid, k + 1)
                 continue
