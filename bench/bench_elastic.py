@@ -10,7 +10,13 @@ the saved world half read is read again), files are read with the samples alread
 skipped. The figure: rows (samples) per second of the rest pass over the fresh epoch's
 (target >= 0.95: the global order costs at most 5%).
 
+``--held``: whole epochs with the global batch held (``global_batch_size=``, the epoch cut
+into lanes, `gangrun.data.lanes`) against today's per-rank order, batches of the same size
+(4096 rows, 64 files per rank), 2 ranks x 2 workers, the default lanes and a lane per worker;
+the figure: samples per second held over per-rank (target >= 0.95).
+
     PYTHONPATH=src python bench/bench_elastic.py --reps 3 [--rows 2000000 --files 4000]
+    PYTHONPATH=src python bench/bench_elastic.py --held --reps 5 [--rows 2000000 --files 4000]
 """
 
 from __future__ import annotations
@@ -90,6 +96,40 @@ def run(reps: int, rows: int = 2_000_000, files: int = 4000, cut: float = 0.3) -
         shutil.rmtree(work, ignore_errors=True)
 
 
+def held(reps: int, rows: int = 2_000_000, files: int = 4000) -> dict:
+    """Whole epochs, the global batch held against the per-rank order (see the docstring)."""
+    import bench_tables
+
+    from gangrun import distributed
+
+    work = tempfile.mkdtemp(prefix="bench-held-")
+    try:
+        table = os.path.join(work, "table")
+        bench_tables._write(table, rows, 8)
+        vol = os.path.join(work, "files")
+        _files(vol, files)
+        gang = distributed(processes=2, mlflow=False, timeout=1800, output="none")
+        fn = gang(elastic_ranks.held_vs_rank)
+        fn.distributed("table", table, WORKERS, 1)  # warm-up: page cache, fork server
+        fn.distributed("volume", vol, WORKERS, 1)
+        out: dict = {"name": "elastic_held", "rows": rows, "files": files, "reps": reps}
+        for kind, src in (("table", table), ("files", vol)):
+            got = fn.distributed("table" if kind == "table" else "volume", src, WORKERS, reps)
+            for arm in ("rank", "held", "held_one_lane"):
+                secs = [max(r[arm][i] for r in got) for i in range(reps)]  # the slower rank
+                n = sum(r[arm + "_samples"] for r in got)
+                out[f"{kind}_{arm}"] = {"samples": n, "per_s": round(n / median(secs))}
+                out.setdefault("results", {})[f"{kind}_{arm}"] = summary(secs)
+            for arm in ("held", "held_one_lane"):
+                out.setdefault("ratios", {})[f"{kind}_{arm}_vs_rank"] = ratio(
+                    out[f"{kind}_{arm}"]["per_s"], out[f"{kind}_rank"]["per_s"]
+                )
+        out["loadavg"] = round(os.getloadavg()[0], 1)
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     import argparse
     import json
@@ -99,7 +139,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--files", type=int, default=4000)
     p.add_argument("--cut", type=float, default=0.3)
+    p.add_argument("--held", action="store_true", help="the global batch held vs per-rank")
     a = p.parse_args()
+    if a.held:
+        print(json.dumps(held(a.reps, a.rows, a.files), indent=1))
+        return
     print(json.dumps(run(a.reps, a.rows, a.files, a.cut), indent=1))
 
 

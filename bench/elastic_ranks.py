@@ -69,3 +69,44 @@ def rest_of_epoch(kind: str, source: str, workers: int, saved_world: int, cut: f
     dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def held_vs_rank(kind: str, source: str, workers: int, reps: int) -> dict:
+    """Seconds of whole epochs on this rank (the ranks start each pass together), ``workers``
+    DataLoader workers: ``rank``, today's per-rank order (a table's batch of 4096 rows, 64
+    files a batch); ``held``, the global batch held (``global_batch_size`` = the world's
+    batches of the same size, default lanes). ``reps`` passes of each, alternated."""
+    from gangrun.data import TableDataset, VolumeDataset
+
+    dist = _dist()
+    world = dist.get_world_size()
+    per = 4096 if kind == "table" else 64
+
+    def make(arm: str) -> Any:
+        held = arm != "rank"
+        g: dict[str, int] = {"global_batch_size": per * world} if held else {}
+        if arm == "held_one_lane":  # a lane per worker: the layout of the per-rank order
+            g["lanes"] = world * max(1, workers)
+        if kind == "table":
+            size = {} if held else {"batch_size": per}
+            ds = TableDataset(source, shuffle=True, seed=1, **size, **g)
+            return ds, ds.loader(num_workers=workers, persistent_workers=False)
+        ds = VolumeDataset(source, shuffle=True, seed=1, **g)
+        size = {} if held else {"batch_size": per}
+        return ds, ds.loader(num_workers=workers, persistent_workers=False, **size)
+
+    arms = ("rank", "held", "held_one_lane")
+    out: dict[str, Any] = {a: [] for a in arms}
+    for i in range(reps):
+        for arm in arms[i % 3 :] + arms[: i % 3]:
+            ds, loader = make(arm)
+            ds.set_epoch(i)
+            dist.barrier()
+            t = time.perf_counter()
+            n, _ = _samples(kind, loader)
+            out[arm].append(time.perf_counter() - t)
+            out[arm + "_samples"] = n
+            del loader
+    dist.barrier()
+    dist.destroy_process_group()
+    return out

@@ -182,3 +182,88 @@ def json_ids(raw: bytes) -> Any:
     import json
 
     return json.loads(raw)
+
+
+HELD = {"table": (12, 6), "volume": (6, 6)}  # (global batch, lanes): 1, 2, 3 and 6 ranks
+
+
+def held_dataset(kind: str, root: str, rank: int | None = None, world: int | None = None) -> Any:
+    """A `TableDataset` (an ``id`` column) or `VolumeDataset` (JSON files of ids) with the
+    global batch held."""
+    from gangrun.data import TableDataset, VolumeDataset
+
+    g, lanes = HELD[kind]
+    if kind == "table":
+        return TableDataset(
+            root,
+            global_batch_size=g,
+            lanes=lanes,
+            shuffle=True,
+            seed=SEED,
+            shuffle_buffer=7,
+            rank=rank,
+            world_size=world,
+        )
+    return VolumeDataset(
+        root,
+        global_batch_size=g,
+        lanes=lanes,
+        shuffle=True,
+        seed=SEED,
+        decode=json_ids,
+        rank=rank,
+        world_size=world,
+    )
+
+
+def features(ids: Any) -> tuple[Any, Any]:
+    """A sample's input and target from its id alone (the same on every rank and world)."""
+    import torch
+
+    t = ids.to(torch.float64).unsqueeze(1)
+    x = torch.sin(t * torch.arange(1, DIM + 1, dtype=torch.float64) / 7.0).to(torch.float32)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def train_held(kind: str, root: str, epochs: int, total: int, workers: int) -> dict[str, Any]:
+    """DDP over a loader of `held_dataset`: the deterministic model of `train`, Adam, each
+    step's loss the global batch's mean; stops after ``total`` steps (a save there)."""
+    import torch
+    import torch.distributed as dist
+
+    import gangrun
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds = held_dataset(kind, root)
+    loader = ds.loader(num_workers=workers)
+    model = _model("ddp")
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    state = {"model": model, "optim": opt, "loader": loader, "epoch": 0}
+    ckpt = gangrun.Checkpointer(state, keep=2, async_save=False)
+    start = step = ckpt.restore()
+    restored = _full(model, opt) if start else None
+    reads: dict[int, list[int]] = {}
+    losses: dict[int, float] = {}
+    while state["epoch"] < epochs and step < total:
+        epoch = state["epoch"]
+        ds.set_epoch(epoch)
+        for batch in loader:
+            ids = torch.as_tensor(batch["id"] if isinstance(batch, dict) else batch).flatten()
+            reads.setdefault(epoch, []).extend(int(i) for i in ids.tolist())
+            x, y = features(ids)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # equal shares: the global batch's mean
+            losses[step] = mean.item() / world
+            ckpt.step_done(step, total)
+            step += 1
+            if step >= total:
+                break
+        else:
+            state["epoch"] = epoch + 1
+    out = _finish(ckpt, model, opt, rank, restored)
+    return {**out, "world": world, "start": start, "reads": reads, "losses": losses}

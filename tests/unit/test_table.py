@@ -17,7 +17,7 @@ import pytest
 
 import tablewriters as tw
 from conftest import run_python
-from gangrun.data import TableDataset, TableError
+from gangrun.data import TableDataset, TableError, split
 from gangrun.data.table import plan
 
 pa = pytest.importorskip("pyarrow")
@@ -88,16 +88,16 @@ def test_rank_without_world_size_is_an_error(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="RANK is set .* WORLD_SIZE is not"):
-        plan.env_rank_world()
+        split.rank_world()
     monkeypatch.delenv("RANK")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="WORLD_SIZE is set .* RANK is not"):
-        plan.env_rank_world()
+        split.rank_world()
     monkeypatch.setenv("RANK", "1")
-    assert plan.env_rank_world() == (1, 2)
-    assert plan.env_rank_world(0, 1) == (0, 1)
+    assert split.rank_world() == (1, 2)
+    assert split.rank_world(0, 1) == (0, 1)
     with pytest.raises(ValueError, match="outside"):
-        plan.env_rank_world(2, 2)
+        split.rank_world(2, 2)
 
 
 # -- Parquet --------------------------------------------------------------------------------

@@ -43,6 +43,18 @@ UNTYPED: dict[tuple[str, str], str] = {
     ("gangrun.data.listing", "O_CLOEXEC"): "a platform constant",
     ("gangrun.data.cache", "F_OFD_SETLKW"): "a platform constant (Linux only)",
     ("gangrun.data.loader", "ds"): _PENDING,
+    (
+        "gangrun.data.loader",
+        "held",
+    ): "any Resumable dataset (a user's too); only gangrun's hold a global batch",
+    (
+        "gangrun.data.loader",
+        "held_join",
+    ): "any Resumable dataset (a user's too); only gangrun's hold a global batch",
+    (
+        "gangrun.data.table.held",
+        "close",
+    ): "the chunks' iterator: a generator has close(), a list has not",
     ("gangrun.data.loader", "seed"): "the user's dataset",
     ("gangrun.data.table.loader", "_shutdown_workers"): "torch's DataLoader iterator",
     ("gangrun.data.table.source", "close"): "the user's iterable of paths",

@@ -35,7 +35,9 @@ Modules (every one importable on its own; only ``dataset``, ``loader`` and ``sam
 torch):
 
 - ``listing``: `FileEntry`, listing and sorting a source's files (fsspec), local reads;
-- ``sharding``: epoch order, rank shares, worker plans, position records (pure: no torch, no
+- ``split``: what both datasets split alike: the rank and world size (strict), an epoch's
+  order, the position record (pure);
+- ``sharding``: a `VolumeDataset`'s epoch order, rank shares, worker plans (pure: no torch, no
   fsspec);
 - ``cache``: `FileCache`, the node-local cache of remote files;
 - ``prefetch``: reading a worker's files in order with misses fetched ahead;
@@ -50,7 +52,11 @@ torch):
   and ``table.handover`` (the DataLoader workers' hand-over of batches). pyarrow and deltalake
   are imported only by these modules.
 - ``sampler``: `DistributedSampler`, a drop-in for torch's with one global order per epoch,
-  resumable at the same or another world size, and `per_rank_batch` (the global batch held).
+  resumable at the same or another world size, `per_rank_batch` (the global batch held) and
+  `micro_batches` (a rank's batch split for gradient accumulation);
+- ``lanes``: the global batch held by `VolumeDataset`/`TableDataset` (``global_batch_size=``):
+  an epoch cut into canonical lanes, whole lanes per rank (pure);
+- ``elastic``: the rest of an epoch continued on another number of ranks (per-rank order).
 
 The names below are loaded on first use, so ``import gangrun.data.sharding`` does not import
 torch.
@@ -68,7 +74,7 @@ if TYPE_CHECKING:
     from .listing import FileEntry
     from .loader import VolumeLoader
     from .read_errors import DataReadError
-    from .sampler import DistributedSampler, per_rank_batch
+    from .sampler import DistributedSampler, micro_batches, per_rank_batch
     from .table.dataset import TableDataset
     from .table.loader import TableLoader
     from .table.source import TableError
@@ -86,6 +92,7 @@ _WHERE = {
     "DataReadError": "read_errors",
     "DistributedSampler": "sampler",
     "per_rank_batch": "sampler",
+    "micro_batches": "sampler",
 }
 
 __all__ = [
@@ -100,6 +107,7 @@ __all__ = [
     "default_cache_dir",
     "DistributedSampler",
     "per_rank_batch",
+    "micro_batches",
 ]
 
 

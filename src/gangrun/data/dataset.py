@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
-from . import elastic, sharding
+from . import elastic, lanes, sharding, split
 from .cache import FileCache, parse_size
 from .listing import LOCAL_PROTOCOLS, FileEntry, list_files, read_local
 from .prefetch import Progress, stream
 from .read_errors import DataReadError, place, read_error
 from .resumable import ResumableEpochs
+from .split import Position
 
 if TYPE_CHECKING:
     from .loader import VolumeLoader
@@ -50,8 +51,16 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         prefetch: files read ahead by a background thread in each worker (default: 4 for
             remote, 0 for local files).
         rank, world_size: override ``RANK``/``WORLD_SIZE`` (otherwise from the environment
-            that gangrun or torchrun sets; 0 and 1 when unset).
+            that gangrun or torchrun sets; 0 and 1 when neither is set; one without the other
+            is an error).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for s3).
+        global_batch_size: hold the global batch: the loader's batches are each rank's share
+            (``global_batch_size // world_size`` samples) of global batch ``k``, the same set
+            of samples on every world size that divides ``lanes``, and a resume on another
+            size continues at the global batch where the world stopped (`gangrun.data.lanes`).
+            Each file is one sample. Default: each rank reads its own share of the epoch.
+        lanes: the epoch's canonical lanes with ``global_batch_size`` (default: the global
+            batch size); fixed for a run: the world sizes it can run on divide it.
     """
 
     def __init__(
@@ -70,6 +79,8 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        global_batch_size: int | None = None,
+        lanes: int | None = None,
     ) -> None:
         super().__init__()
         if uneven not in ("pad", "drop"):
@@ -97,14 +108,21 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         self._fs_pid = -1
         self._keys: dict[str, str] = {}
         self._epoch = 0
-        self._resume: dict[str, Any] | None = None  # applied once, by the next iteration
-        self._live: dict[str, Any] | None = None  # progress of the current/last iteration
+        self._resume: split.Position | None = None  # applied once, by the next iteration
+        self._live: split.Position | None = None  # progress of the current/last iteration
+        self.rank_world()  # RANK without WORLD_SIZE: an error now, not a rank reading it all
+        if global_batch_size is not None and samples_per_rank is not None:
+            raise ValueError(
+                "VolumeDataset: global_batch_size and samples_per_rank exclude each other (a "
+                "held global batch counts the epoch's files, a quota counts each rank's samples)"
+            )
+        self._held_init(global_batch_size, lanes, per_item=True)
 
     # -- partitioning --------------------------------------------------------------------------
 
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)`` this dataset shards for (arguments, else the environment)."""
-        return sharding.rank_world(self._rank, self._world_size)
+        return split.rank_world(self._rank, self._world_size, "VolumeDataset")
 
     def epoch_order(self, epoch: int | None = None) -> list[int]:
         """Indexes into `files` in the order of ``epoch`` (same on every rank)."""
@@ -123,7 +141,12 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
         every file decodes to one sample)."""
         if self.samples_per_rank is not None:
             return self.samples_per_rank
+        if self.held is not None:
+            return self.lane_layout().batches * self.held["global_batch"] // self.rank_world()[1]
         return len(self.rank_files())
+
+    def _items(self) -> int:
+        return len(self.files)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -226,11 +249,14 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             )
         return read_error("VolumeDataset", [place(entry.path)], error, self.rank_world()[0])
 
-    def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
+    def _iterate(self, start: Position | None, tagged: bool) -> Iterator[Any]:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.held is not None:
+            yield from self._iterate_held(start, tagged, wid, nw, info is None and not tagged)
+            return
         rank, _ = self.rank_world()
         start = self._plan(start, nw, warn=info is None or info.id == 0)
         wid = self._logical_worker(wid, nw, start)
@@ -251,13 +277,49 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             self.start_progress(1, start)
         yield from self._deliver(self._stream(files, quota, wstart, skips), wid, tagged, track)
 
-    def _plan(self, start: dict[str, Any] | None, nw: int, warn: bool) -> dict[str, Any] | None:
+    def _iterate_held(
+        self, start: Position | None, tagged: bool, wid: int, nw: int, track: bool
+    ) -> Iterator[Any]:
+        """The global batch held: this worker's part of each global batch from the one the
+        position names (tagged: a list of samples per batch, ``None`` for a worker without
+        lanes), or, iterated directly, the samples one by one."""
+        lay, mine, first = self.held_worker(start, wid, nw)
+        order = self.epoch_order()
+        files = [self.files[order[p]] for p in lanes.run(lay, mine, first)]
+        per = len(mine) * lay.part
+        if track:
+            self.start_progress(1, start)
+        samples = self._stream(files, None, None)
+        for k in range(first, lay.batches):
+            part = []
+            for _ in range(per):
+                got = next(samples, None)
+                if got is None or got[1][1] or got[1][0] != got[1][2]:
+                    at = files[min(got[1][0], len(files) - 1) if got else -1].path
+                    raise ValueError(
+                        f"VolumeDataset with global_batch_size on rank {self.rank_world()[0]}: "
+                        f"the files up to {at} did not decode to exactly one sample each; a "
+                        "held global batch counts one sample per file. Make decode return one "
+                        "sample per file, or leave global_batch_size unset."
+                    )
+                part.append(got[0])
+            if tagged:
+                yield (part if per else None), (wid, k + 1)
+                continue
+            for i, sample in enumerate(part):
+                if track and i == len(part) - 1:
+                    self.record_progress(0, k + 1)
+                yield sample
+
+    def _plan(self, start: Position | None, nw: int, warn: bool) -> Position | None:
         """The record a pass of ``nw`` workers starts from: ``start`` on the same layout, the
         rest of the epoch on another (`elastic`), or ``None`` (a fresh epoch)."""
+        if self.held is not None:  # the global batch index: the same on any layout
+            return start
         _, world = self.rank_world()
 
-        def same(s: dict[str, Any]) -> bool:
-            return sharding.same_layout(s, world, nw)
+        def same(s: Position) -> bool:
+            return split.same_layout(s, world, nw)
 
         if self.samples_per_rank is not None:  # a quota per rank: no rest to continue
             if start is None or ("merged" not in start and same(start)):
@@ -275,7 +337,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
             start,
             nw,
             same,
-            lambda: sharding.progress_record(self._epoch, world, nw, len(self.files), self.seed),
+            lambda: split.position(self._epoch, world, nw, self.seed, files=len(self.files)),
             warn,
         )
 
@@ -287,7 +349,7 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
     # iteration keeps it up to date itself; a loader that runs the dataset in worker processes
     # uses the four public methods below (see VolumeLoader).
 
-    def resume_position(self) -> dict[str, Any] | None:
+    def resume_position(self) -> Position | None:
         """Take the position restored by `load_state_dict`, once: the pass that starts
         now continues from it. ``None`` when nothing was restored, or (with a warning) when it
         does not match this dataset's epoch or file count, so the epoch restarts."""
@@ -301,25 +363,30 @@ class VolumeDataset(ResumableEpochs, IterableDataset):
                 stacklevel=3,
             )
             return None
-        return start
+        return start if self._held_matches(start) else None
 
     def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:
         n = len(self.files)
         rest = elastic.rest_files(base, n, self.shuffle, self.seed, self.uneven)
         return len(rest), n, "files"
 
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+    def start_progress(self, num_workers: int, start: Position | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
         position ``start`` (on another world size or worker count: the rest of its epoch,
         `elastic`). `state_dict` reports this pass from now on."""
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
+        if self.held is not None:
+            self._live = self._held_record(nw, start, files=len(self.files))
+            return
         planned = self._plan(start, nw, warn=False)
         if planned is not None and planned.get("base") is not None:  # the rest, computed once
             rank = self.rank_world()[0]  # here: workers forked after this inherit it
             elastic.file_runs(planned, rank, len(self.files), self.shuffle, self.seed, self.uneven)
-        self._live = sharding.progress_record(
-            self._epoch, world, nw, len(self.files), self.seed, planned
+        self._live = (
+            split.copied(planned)
+            if planned is not None
+            else split.position(self._epoch, world, nw, self.seed, files=len(self.files))
         )
 
     # -- DataLoader ----------------------------------------------------------------------------

@@ -31,12 +31,15 @@ import functools
 import json
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from . import sharding
+from .split import Position
 from .table import plan
 
-Record = dict[str, Any]
+Record = Position
+#: what a rest is computed from: ``{"scope", "ranks": {rank: Record}}``
+Base = dict[str, Any]
 
 
 def records_of(state: Mapping[str, Any]) -> dict[int, Record]:
@@ -49,16 +52,16 @@ def records_of(state: Mapping[str, Any]) -> dict[int, Record]:
             continue
         rec = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
         if isinstance(rec, dict):
-            out[int(key[4:])] = rec
+            out[int(key[4:])] = cast(Record, rec)
     return out
 
 
 def merged(recs: Mapping[int, Record]) -> Record:
     """A start made of every rank's saved record (``{"merged": {rank: record}}``, with the
     fields the datasets check)."""
-    first = recs[min(recs)]
+    first: Mapping[str, Any] = recs[min(recs)]
     keep = ("epoch", "seed", "files", "rows", "table", "world_size")
-    out: Record = {k: first[k] for k in keep if k in first}
+    out = cast(Record, {k: first[k] for k in keep if k in first})
     out["merged"] = {str(r): recs[r] for r in sorted(recs)}
     return out
 
@@ -141,7 +144,7 @@ def file_runs(
 
 
 def rest_files(
-    base: Record, n: int, shuffle: bool, seed: int, uneven: Any
+    base: Base, n: int, shuffle: bool, seed: int, uneven: Any
 ) -> tuple[tuple[int, int], ...]:
     """The files of the epoch the world of ``base`` did not finish: ``(file index, samples of
     it already read)``, once each, in the epoch's order (see the module docstring)."""
@@ -152,9 +155,7 @@ def rest_files(
     return _rest_files_cached(key)
 
 
-def _rest_files(
-    base: Record, n: int, shuffle: bool, seed: int, uneven: Any
-) -> list[tuple[int, int]]:
+def _rest_files(base: Base, n: int, shuffle: bool, seed: int, uneven: Any) -> list[tuple[int, int]]:
     done: set[int] = set()
     read: dict[int, int] = {}  # file -> samples of it read (the most of any of its copies)
     left: list[tuple[int, int, int]] = []  # (place in the pass's order, file, samples read)
@@ -245,7 +246,7 @@ class RowSplit:
                 out.append(rest[(vpos + np.arange(vrows, dtype=np.int64)) % len(rest)])
         return out
 
-    def rest(self, base: Record) -> Any:
+    def rest(self, base: Base) -> Any:
         """The epoch positions the world of ``base`` did not consume, once each, in order."""
         key = json.dumps(base, sort_keys=True)
         return _rest_rows(self._key(), key)

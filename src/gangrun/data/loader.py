@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from .split import Position
+
 
 class Resumable(Protocol):
     """The public resume API of [`VolumeDataset`][gangrun.data.VolumeDataset] that the loader uses."""
@@ -28,11 +30,11 @@ class Resumable(Protocol):
 
     def set_epoch(self, epoch: int) -> None: ...
 
-    def resume_position(self) -> dict[str, Any] | None: ...
+    def resume_position(self) -> Position | None: ...
 
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None: ...
+    def start_progress(self, num_workers: int, start: Position | None = None) -> None: ...
 
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]: ...
+    def iter_tagged(self, start: Position | None = None) -> Iterator[Any]: ...
 
     def record_progress(self, worker: int, progress: Any) -> None: ...
 
@@ -50,7 +52,7 @@ class EpochChannel:
         storage = torch.UntypedStorage._new_shared(self.CAPACITY)
         self.block = torch.empty(0, dtype=torch.uint8).set_(storage)
 
-    def write(self, epoch: int, start: dict[str, Any] | None) -> None:
+    def write(self, epoch: int, start: Position | None) -> None:
         import json
 
         raw = json.dumps({"epoch": int(epoch), "start": start}).encode()
@@ -63,7 +65,7 @@ class EpochChannel:
         arr[8 : 8 + len(raw)] = memoryview(raw)
         arr[:8] = memoryview(len(raw).to_bytes(8, "little"))
 
-    def read(self) -> tuple[int, dict[str, Any] | None]:
+    def read(self) -> tuple[int, Position | None]:
         import json
 
         arr = self.block.numpy()
@@ -77,7 +79,7 @@ class _TaggedView(IterableDataset):
 
     def __init__(self, volume: Resumable, channel: EpochChannel | None = None) -> None:
         self.volume = volume
-        self.start: dict[str, Any] | None = None
+        self.start: Position | None = None
         self.channel = channel
 
     def __iter__(self) -> Iterator[Any]:
@@ -127,6 +129,20 @@ class VolumeLoader(DataLoader):
         if "sampler" in kwargs or "batch_sampler" in kwargs or kwargs.get("shuffle"):
             raise ValueError("VolumeDataset does its own sharding and shuffling")
         self.volume = dataset
+        self._held = getattr(dataset, "held", None)
+        self.held_collate: Callable[[Any], Any] | None = None
+        if self._held is not None:  # workers yield parts of batches; joined here
+            _, world = dataset.rank_world()  # type: ignore[attr-defined]
+            share = self._held["global_batch"] // world
+            given = kwargs.pop("batch_size", None)
+            if given not in (None, share):
+                raise ValueError(
+                    f"the dataset holds global_batch_size={self._held['global_batch']}: each of "
+                    f"the {world} ranks' batches is its share ({share}); leave the loader's "
+                    f"batch_size unset (got {given})"
+                )
+            self.held_collate = kwargs.pop("collate_fn", None)
+            kwargs.update(batch_size=None, collate_fn=identity)
         persistent = bool(kwargs.get("persistent_workers")) and _workers(kwargs) > 0
         self._channel = EpochChannel() if persistent else None
         self._view = _TaggedView(dataset, self._channel)
@@ -138,9 +154,10 @@ class VolumeLoader(DataLoader):
 
             seed = int(getattr(dataset, "seed", 0))
             kwargs["generator"] = torch.Generator().manual_seed(seed)
-        kwargs["collate_fn"] = _Collate(
-            kwargs.get("collate_fn"), kwargs.get("batch_size", 1) is not None
-        )
+        if self._held is None:
+            kwargs["collate_fn"] = _Collate(
+                kwargs.get("collate_fn"), kwargs.get("batch_size", 1) is not None
+            )
         super().__init__(self._view, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
@@ -170,9 +187,44 @@ class VolumeLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._begin_pass()
+        if self._held is not None:
+            yield from self._joined(super().__iter__())
+            return
         for batch, (wid, progress) in super().__iter__():
             self.volume.record_progress(wid, progress)
             yield batch
+
+    def _joined(self, parts: Iterator[Any]) -> Iterator[Any]:
+        """The global batch held: each worker's part of the rank's batch ``k`` comes in turn
+        (the DataLoader takes its workers round-robin, in order); ``nw`` consecutive parts are
+        joined into the batch, in worker order, i.e. lane order (`gangrun.data.lanes`)."""
+        from torch.utils.data import default_collate
+
+        nw = max(1, int(self.num_workers))
+        join = getattr(self.volume, "held_join", None)
+        collate = self.held_collate or default_collate
+        got: list[Any] = []
+        for part, (wid, progress) in parts:
+            got.append(part)
+            if len(got) < nw:
+                continue
+            if join is not None:
+                batch = collate(join(got))
+            else:
+                batch = collate([s for p in got if p for s in p])
+            got = []
+            self.volume.record_progress(wid, progress)
+            yield batch
+
+    def __len__(self) -> int:
+        if self._held is not None:  # the rank's batches of an epoch (a worker yields parts)
+            return int(self.volume.lane_layout().batches)  # type: ignore[attr-defined]
+        return super().__len__()
+
+
+def identity(x: Any) -> Any:
+    """What the workers' collate does with a held global batch's parts: nothing."""
+    return x
 
 
 def _workers(kwargs: dict[str, Any]) -> int:

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
+
+from .split import Position
 
 
 class ResumableEpochs:
     _epoch: int
     seed: int
-    _live: dict[str, Any] | None
-    _resume: dict[str, Any] | None
+    _live: Position | None
+    _resume: Position | None
+    #: ``{"global_batch": G, "lanes": K}`` when the global batch is held (`gangrun.data.lanes`)
+    held: dict[str, int] | None = None
+    uneven: Literal["pad", "drop"] = "pad"
 
     def rank_world(self) -> tuple[int, int]:  # pragma: no cover - each dataset's own
         raise NotImplementedError
 
-    def _iterate(self, start: dict[str, Any] | None, tagged: bool) -> Iterator[Any]:
+    def _iterate(self, start: Position | None, tagged: bool) -> Iterator[Any]:
         raise NotImplementedError  # pragma: no cover - each dataset's own
 
     def __iter__(self) -> Iterator[Any]:
@@ -34,11 +39,11 @@ class ResumableEpochs:
         start = self.resume_position() if get_worker_info() is None else self._resume
         return self._iterate(start, tagged=False)
 
-    def resume_position(self) -> dict[str, Any] | None:  # pragma: no cover - each dataset's
+    def resume_position(self) -> Position | None:  # pragma: no cover - each dataset's
         raise NotImplementedError
 
     @staticmethod
-    def _logical_worker(wid: int, nw: int, start: dict[str, Any] | None) -> int:
+    def _logical_worker(wid: int, nw: int, start: Position | None) -> int:
         """The worker of the saved pass that DataLoader worker ``wid`` continues.
 
         A DataLoader hands batches out round-robin over its workers, starting each pass at
@@ -66,7 +71,7 @@ class ResumableEpochs:
             for item, _ in items:
                 yield item
 
-    def position(self) -> dict[str, Any] | None:
+    def position(self) -> Position | None:
         """The position record of the pass under way (or the last one), as it is now."""
         return self._live
 
@@ -82,16 +87,20 @@ class ResumableEpochs:
             self._live = None
         self._epoch = epoch
 
-    def record_progress(self, worker: int, progress: Sequence[int]) -> None:
+    def record_progress(self, worker: int, progress: Sequence[int] | int) -> None:
         """Note that the training loop received worker ``worker``'s items up to ``progress``
-        (the tag ``iter_tagged`` attached to them)."""
+        (the tag ``iter_tagged`` attached to them; the global batch held: the global batches
+        of the epoch consumed)."""
         if self._live is None:
             raise RuntimeError("record_progress() before start_progress()")
+        if isinstance(progress, int):  # the global batches the world consumed: one number
+            self._live["batches"] = progress
+            return
         workers = self._live["workers"]
         workers[worker] = list(progress)
         self._live["next"] = (worker + 1) % len(workers)  # the round-robin's next worker
 
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+    def iter_tagged(self, start: Position | None = None) -> Iterator[tuple[Any, Any]]:
         """``(item, (worker id, progress))`` pairs of this DataLoader worker's (or this
         process's) share, from position ``start``; does not record progress itself: pass the
         tags the training loop received to ``record_progress``."""
@@ -118,8 +127,11 @@ class ResumableEpochs:
             for r, p in elastic.records_of(state).items()
             if p.get("epoch") == self._epoch and p.get("seed") == self.seed
         }
+        held = [p for p in recs.values() if "held" in p]
         marker = next((p for p in recs.values() if "merged" in p), None)
-        if marker is not None:  # saved again before the resumed pass began
+        if held:  # every rank consumed the same global batches: any rank's record holds it
+            self._resume = recs.get(rank) or recs[min(recs)]
+        elif marker is not None:  # saved again before the resumed pass began
             self._resume = marker
         elif set(recs) - {rank}:
             self._resume = elastic.merged(recs)
@@ -130,6 +142,12 @@ class ResumableEpochs:
         """``"data: the rest of epoch E (X of N rows left)"`` when the restored position is
         every rank's of another world (the pass to come continues the epoch's rest)."""
         start = self._resume
+        if start and "held" in start:
+            lay = self.lane_layout()
+            return (
+                f"data at global batch {start.get('batches', 0)} of {lay.batches} of epoch "
+                f"{self._epoch} (global batch {lay.global_batch} held)"
+            )
         if not start or "merged" not in start:
             return None
         left, total, unit = self._rest_size({"scope": "world", "ranks": start["merged"]})
@@ -138,14 +156,84 @@ class ResumableEpochs:
     def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:  # pragma: no cover
         raise NotImplementedError
 
+    # -- the global batch held (`gangrun.data.lanes`) -------------------------------------------
+
+    def _items(self) -> int:  # pragma: no cover - each dataset's own
+        raise NotImplementedError
+
+    def _held_init(self, global_batch: int | None, lanes: int | None, per_item: bool) -> None:
+        """Check and keep ``global_batch_size``/``lanes`` (a ``ValueError`` naming what to
+        change when this world cannot hold them)."""
+        from . import lanes as lanes_
+
+        if global_batch is None:
+            if lanes is not None:
+                raise ValueError(f"{type(self).__name__}: lanes= needs global_batch_size=")
+            self.held = None
+            return
+        k = lanes_.default_lanes(int(global_batch), per_item) if lanes is None else lanes
+        rank, world = self.rank_world()
+        lanes_.check(global_batch, k, world, type(self).__name__, rank)
+        self.held = {"global_batch": int(global_batch), "lanes": int(k)}
+
+    def lane_layout(self) -> Any:
+        from . import lanes as lanes_
+
+        assert self.held is not None
+        return lanes_.layout(
+            self._items(), self.held["global_batch"], self.held["lanes"], self.uneven
+        )
+
+    def held_worker(self, start: Position | None, wid: int, nw: int) -> tuple[Any, range, int]:
+        """``(layout, lanes, first batch)`` of DataLoader worker ``wid`` of ``nw`` on this rank."""
+        from . import lanes as lanes_
+
+        rank, world = self.rank_world()
+        lay = self.lane_layout()
+        mine = lanes_.worker_lanes(lanes_.rank_lanes(lay.lanes, rank, world), wid, nw)
+        return lay, mine, int(start.get("batches") or 0) if start else 0
+
+    def _held_record(self, nw: int, start: Position | None, **fields: Any) -> Position:
+        """The position record of a pass with the global batch held: the global batches of
+        the epoch the world consumed (the same number on every rank, whatever its size)."""
+        _, world = self.rank_world()
+        rec = Position(epoch=self._epoch, seed=self.seed, world_size=world, num_workers=nw)
+        rec.update(fields)  # type: ignore[typeddict-item]
+        rec["held"] = dict(self.held or {})
+        rec["batches"] = int(start.get("batches") or 0) if start else 0
+        return rec
+
+    def _held_matches(self, start: Position) -> bool:
+        """Whether ``start`` was saved in this dataset's mode (global batch held with the same
+        global batch and lanes, or not held); else a warning says the epoch restarts."""
+        if start.get("held") == self.held or ("held" not in start and self.held is None):
+            return True
+        import warnings
+
+        saved = start.get("held")
+        warnings.warn(
+            f"{type(self).__name__}: the saved position was made with "
+            f"{_held_text(saved)}, this dataset has {_held_text(self.held)}; epoch "
+            f"{self._epoch} restarts from its beginning (keep global_batch_size= and lanes= "
+            "for the whole run).",
+            stacklevel=4,
+        )
+        return False
+
     def _planned(
-        self, start: dict[str, Any] | None, nw: int, same: Any, fresh: Any, warn: bool
-    ) -> dict[str, Any] | None:
+        self, start: Position | None, nw: int, same: Any, fresh: Any, warn: bool
+    ) -> Position | None:
         """The record a pass of ``nw`` workers starts from (`elastic.plan_start`)."""
         from . import elastic
 
         rank, world = self.rank_world()
         return elastic.plan_start(start, rank, world, nw, same, fresh, type(self).__name__, warn)
+
+
+def _held_text(held: dict[str, int] | None) -> str:
+    if not held:
+        return "no global_batch_size (a per-rank order)"
+    return f"global_batch_size={held.get('global_batch')}, lanes={held.get('lanes')}"
 
 
 __all__ = ["ResumableEpochs"]

@@ -75,6 +75,54 @@ def per_rank_batch(global_batch: int, world_size: int | None = None) -> int:
     return global_batch // world
 
 
+def micro_batches(batch: Any, size: int) -> Iterator[tuple[Any, float]]:
+    """A rank's batch in micro-batches of at most ``size`` samples, for gradient accumulation
+    where the rank's share of the global batch does not fit its memory: ``(micro-batch,
+    weight)`` pairs, ``weight`` its share of the batch's samples, so that accumulating
+    ``loss(micro) * weight`` gives the gradient of the batch's mean loss. The optimizer steps
+    once per batch: the step counter stays the global step.
+
+    ``batch``: a tensor, or a dict / list / tuple of tensors (or of lists) with the samples
+    along their first dimension, as a DataLoader collates them; the parts are views (tensors)
+    or slices (lists). With DDP, skip the gradient all-reduce of all but the last micro-batch
+    (``model.no_sync()``)::
+
+        for i, (micro, w) in enumerate(micro_batches(batch, 64)):
+            sync = i == -(-len(batch["x"]) // 64) - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                (loss_fn(model(micro["x"]), micro["y"]) * w).backward()
+        opt.step()
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"micro_batches: size must be an integer >= 1, got {size!r}")
+    total = _samples(batch)
+    for lo in range(0, total, size):
+        hi = min(lo + size, total)
+        yield _slice(batch, lo, hi), (hi - lo) / total
+
+
+def _samples(batch: Any) -> int:
+    if isinstance(batch, dict):
+        counts = {_samples(v) for v in batch.values()}
+    elif isinstance(batch, tuple | list) and batch and isinstance(batch[0], torch.Tensor | list):
+        counts = {_samples(v) for v in batch}
+    elif isinstance(batch, torch.Tensor | list | tuple):
+        return len(batch)
+    else:
+        raise TypeError(f"micro_batches: cannot split a {type(batch).__name__} into samples")
+    if len(counts) != 1:
+        raise ValueError(f"micro_batches: the batch's parts hold {sorted(counts)} samples")
+    return counts.pop()
+
+
+def _slice(batch: Any, lo: int, hi: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: _slice(v, lo, hi) for k, v in batch.items()}
+    if isinstance(batch, tuple | list) and batch and isinstance(batch[0], torch.Tensor | list):
+        return type(batch)(_slice(v, lo, hi) for v in batch)
+    return batch[lo:hi]
+
+
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     """The global order of an epoch: torch's ``DistributedSampler`` permutation."""
     if not shuffle:
@@ -193,4 +241,4 @@ class DistributedSampler(_TorchDistributedSampler):
         return self._resume
 
 
-__all__ = ["DistributedSampler", "epoch_order", "per_rank_batch", "rank_share"]
+__all__ = ["DistributedSampler", "epoch_order", "micro_batches", "per_rank_batch", "rank_share"]

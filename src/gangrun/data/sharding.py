@@ -1,56 +1,30 @@
-"""Who reads which file when: epoch order, rank shares, worker plans, resume positions.
+"""Who reads which file when: epoch order, rank shares, worker plans.
 
 Pure functions over indexes and lists; this module imports neither torch nor fsspec, so the
-partitioning can be checked (and reasoned about) without either.
+partitioning can be checked (and reasoned about) without either. What both datasets share
+(the rank, the order's permutation, the position record) is `split`.
 
 - `epoch_order`: the order of the ``n`` listed files in an epoch, the same on every rank
-  (sorted, or a permutation that depends only on ``seed`` and ``epoch``);
+  (sorted, or a permutation that depends only on ``seed`` and ``epoch``: `split`);
 - `rank_share`: the strided share of one rank, padded (``"pad"``) or cut (``"drop"``) so
   every rank gets the same count;
 - `worker_plan`: one DataLoader worker's part of its rank's share, and its sample quota
   when ``samples_per_rank`` is set;
-- `progress_record` / `same_layout`: the JSON-able position of a pass (one entry
-  per worker) that ``VolumeDataset.state_dict()`` saves.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import random
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
+
+from . import split
 
 T = TypeVar("T")
 
 
-def env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
-
-
-def rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """``(rank, world_size)``: the given values, else ``RANK``/``WORLD_SIZE`` from the
-    environment (0 and 1 when unset)."""
-    r = rank if rank is not None else env_int("RANK", 0)
-    world = world_size if world_size is not None else env_int("WORLD_SIZE", 1)
-    if not 0 <= r < world:
-        raise ValueError(f"rank {r} is outside world size {world}")
-    return r, world
-
-
 def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
-    """Indexes ``0..n-1`` in the order of ``epoch`` (a seeded permutation when ``shuffle``)."""
-    return list(_order(n, shuffle, seed, epoch))
-
-
-@functools.lru_cache(maxsize=4)
-def _order(n: int, shuffle: bool, seed: int, epoch: int) -> tuple[int, ...]:
-    order = list(range(n))
-    if shuffle:
-        random.Random(f"gangrun:{seed}:{epoch}").shuffle(order)
-    return tuple(order)
+    """Indexes ``0..n-1`` (the listed files) in the order of ``epoch`` (`split.epoch_order`)."""
+    return split.epoch_order(n, shuffle, seed, epoch, "files")
 
 
 def rank_share(
@@ -86,35 +60,4 @@ def worker_plan(
     return items, quota
 
 
-def progress_record(
-    epoch: int, world: int, nw: int, files: int, seed: int, start: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A fresh position record of a pass (no worker has yielded yet), or a deep copy of
-    ``start`` to continue from."""
-    if start is not None:
-        return json.loads(json.dumps(start))
-    return {
-        "epoch": epoch,
-        "world_size": world,
-        "num_workers": nw,
-        "files": files,
-        "seed": seed,
-        "workers": [None] * nw,
-    }
-
-
-def same_layout(start: dict[str, Any] | None, world: int, nw: int) -> bool:
-    """Whether position ``start`` was made with this world size and worker count (only then
-    can each worker continue from its own entry)."""
-    return start is not None and start.get("num_workers") == nw and start.get("world_size") == world
-
-
-__all__ = [
-    "env_int",
-    "epoch_order",
-    "progress_record",
-    "rank_share",
-    "rank_world",
-    "same_layout",
-    "worker_plan",
-]
+__all__ = ["epoch_order", "rank_share", "worker_plan"]

@@ -11,7 +11,6 @@ Arrow batches into tensors is `table.convert`, handing them over from DataLoader
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -19,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch.utils.data import IterableDataset
 
-from .. import elastic
+from .. import elastic, split
 from ..cache import parse_size
 from ..listing import LOCAL_PROTOCOLS
 from ..loader import keep_workers_by_default
 from ..read_errors import place, read_error
 from ..resumable import ResumableEpochs
-from . import plan
+from ..split import Position
+from . import held, plan, rest
 from .convert import OUTPUTS, as_record_batch, convert
 from .delta import resolve
 from .handover import CHUNK_BATCHES, CHUNK_BYTES, BlockPool, to_wire, to_wire_ipc
@@ -56,7 +56,8 @@ class TableDataset(ResumableEpochs, IterableDataset):
             ``pyarrow.compute.Expression`` (``pc.field("x") > 0``) or DNF tuples
             (``[("x", ">", 0)]``). The rows that pass are counted when the dataset is made
             (reading only the filter's columns), so the split stays exact.
-        batch_size: rows per batch (the dataset batches; its loader passes batches through).
+        batch_size: rows per batch (the dataset batches; its loader passes batches through);
+            default 1024, or each rank's share of ``global_batch_size``.
         drop_last: drop each rank's last, short batch (all ranks alike).
         uneven: ``"pad"`` (default: every rank reads ``ceil(N / world)`` rows; the last
             ranks' shares wrap around to the start of the epoch, so at most ``world - 1``
@@ -83,6 +84,15 @@ class TableDataset(ResumableEpochs, IterableDataset):
         storage_options: fsspec options (e.g. ``{"endpoint_url": ..., "key": ..., ...}``);
             for Delta they are translated for ``deltalake``; ``delta_storage_options`` adds
             or overrides ``deltalake`` options.
+        global_batch_size: hold the global batch: each rank's batch ``k`` is its share
+            (``global_batch_size // world_size`` rows) of global batch ``k``, the same set of
+            rows on every world size that divides ``lanes``, and a resume on another size
+            continues at the global batch where the world stopped (`gangrun.data.lanes`).
+            Every global batch is full (``uneven``: the epoch's last, short one dropped or
+            padded from the epoch's beginning). Default: each rank reads its own share.
+        lanes: the epoch's canonical lanes with ``global_batch_size`` (default
+            ``gcd(global_batch_size, 24)``); each holds a shuffle block in the worker reading
+            it. Fixed for a run: the world sizes it can run on divide it.
 
     Raises ``TableError`` (a ``ValueError``) when the dataset is made: missing column, files
     with different schemas, an empty table, a Delta version that does not exist, a path that
@@ -98,7 +108,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
         format: Literal["auto", "parquet", "delta"] = "auto",
         columns: Sequence[str] | None = None,
         filter: Any = None,
-        batch_size: int = 1024,
+        batch_size: int | None = None,
         drop_last: bool = False,
         uneven: Literal["pad", "drop"] = "pad",
         shuffle: bool = False,
@@ -117,16 +127,28 @@ class TableDataset(ResumableEpochs, IterableDataset):
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
         delta_storage_options: dict[str, str] | None = None,
+        global_batch_size: int | None = None,
+        lanes: int | None = None,
     ) -> None:
         super().__init__()
         if uneven not in ("pad", "drop"):
             raise ValueError(f"uneven must be 'pad' or 'drop', got {uneven!r}")
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {', '.join(OUTPUTS)}, got {output!r}")
+        self._rank, self._world_size = rank, world_size
+        _, world = split.rank_world(rank, world_size, "TableDataset")  # RANK alone: an error now
+        if global_batch_size is not None:
+            share = int(global_batch_size) // world
+            if batch_size is not None and int(batch_size) != share:
+                raise ValueError(
+                    f"TableDataset: batch_size={batch_size} with global_batch_size="
+                    f"{global_batch_size}: each of the {world} ranks' batches is its share "
+                    f"({share} rows); give one of the two"
+                )
+            batch_size = max(1, share)
+        batch_size = 1024 if batch_size is None else batch_size
         if int(batch_size) < 1 or int(shuffle_buffer) < 1:
             raise ValueError("batch_size and shuffle_buffer must be >= 1")
-        self._rank, self._world_size = rank, world_size
-        plan.env_rank_world(rank, world_size)  # RANK without WORLD_SIZE: an error now
         self.source = source
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
@@ -159,8 +181,9 @@ class TableDataset(ResumableEpochs, IterableDataset):
         self.fingerprint = fingerprint(self.table, self.units, f"{self.filter}")
         self._unit_rows = [n for _, _, n in self.units]
         self._epoch = 0
-        self._resume: dict[str, Any] | None = None
-        self._live: dict[str, Any] | None = None
+        self._resume: split.Position | None = None
+        self._live: split.Position | None = None
+        self._held_init(global_batch_size, lanes, per_item=False)
         self.pool: BlockPool | None = None  # TableLoader's shared memory blocks (kept)
         self.pool_active: BlockPool | None = None  # lent to the pass whose workers run now
 
@@ -168,7 +191,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
     def rank_world(self) -> tuple[int, int]:
         """``(rank, world_size)`` this dataset splits for (arguments, else the environment)."""
-        return plan.env_rank_world(self._rank, self._world_size)
+        return split.rank_world(self._rank, self._world_size, "TableDataset")
 
     def layout(self, rank: int | None = None) -> plan.Layout:
         """Rank ``rank``'s share of the epoch (first position, rows, batches)."""
@@ -178,7 +201,12 @@ class TableDataset(ResumableEpochs, IterableDataset):
 
     def __len__(self) -> int:
         """Batches per rank and epoch (the same on every rank)."""
+        if self.held is not None:
+            return int(self.lane_layout().batches)
         return self.layout().batches
+
+    def _items(self) -> int:
+        return self.rows
 
     def unit_order(self, epoch: int | None = None) -> list[int]:
         """The order of the row groups in ``epoch`` (the same on every rank)."""
@@ -214,56 +242,6 @@ class TableDataset(ResumableEpochs, IterableDataset):
                 rng = np.random.default_rng(plan.block_seed(self.seed, self._epoch, wpos, j))
                 yield block.take(rng.permutation(n)[skip:]), [p.unit for p in todo]
         finally:
-            reader.close()
-
-    def _rows_at(self, positions: Any, keep: int = 4) -> Iterator[tuple[pa.Table, list[int]]]:
-        """Arrow tables of the rows at epoch ``positions``, in that order (the rest of an
-        epoch, `elastic`), ``shuffle_buffer`` rows at a time: each row group they touch is
-        read whole, and the last ``keep`` read are kept (the rest of a shuffled block spans
-        the row groups of the next one too)."""
-        import numpy as np
-        import pyarrow as pa
-        from torch.utils.data import get_worker_info
-
-        order = self.unit_order()
-        rows = np.array([self._unit_rows[u] for u in order], dtype=np.int64)
-        offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(rows)])
-        where = np.searchsorted(offsets, positions, side="right") - 1
-        size = max(1, self.shuffle_buffer)
-        groups = [
-            (lo, where[lo : lo + size], np.unique(where[lo : lo + size]))
-            for lo in range(0, len(positions), size)
-        ]
-        held: list[int] = []  # the row groups kept, oldest first (as `read` below keeps them)
-        todo = []
-        for _, _, uniq in groups:
-            for i in uniq.tolist():
-                if i in held:
-                    held.remove(i)
-                else:
-                    todo.append(plan.Piece(order[i], 0, int(rows[i])))
-                held = (held + [i])[-keep:]
-        threads = get_worker_info() is None if self.use_threads is None else self.use_threads
-        reader = Reader(self, todo, bool(threads))
-        kept: dict[int, pa.Table] = {}
-        try:
-            place = np.zeros(len(order), dtype=np.int64)
-            for lo, ids, uniq in groups:
-                parts = []
-                for i in uniq.tolist():
-                    t = kept.pop(i, None)
-                    if t is None:
-                        t = reader.read(plan.Piece(order[i], 0, int(rows[i])))
-                    kept[i] = t
-                    parts.append(t)
-                    while len(kept) > keep:
-                        del kept[next(iter(kept))]
-                place[uniq] = np.concatenate([[0], np.cumsum(rows[uniq])[:-1]])
-                block = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-                local = place[ids] + (positions[lo : lo + len(ids)] - offsets[ids])
-                yield block.take(local), [order[i] for i in uniq.tolist()]
-        finally:
-            kept.clear()
             reader.close()
 
     def _batches(
@@ -365,13 +343,17 @@ class TableDataset(ResumableEpochs, IterableDataset):
         f, g, _ = self.units[unit]
         return place(self.table.files[f].path, g)
 
-    def _iterate(
-        self, start: dict[str, Any] | None, tagged: bool, wire: bool = False
-    ) -> Iterator[Any]:
+    def _iterate(self, start: Position | None, tagged: bool, wire: bool = False) -> Iterator[Any]:
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.held is not None:
+            track = info is None and not tagged
+            yield from held.iterate(
+                self, start, tagged, wid, nw, track, self._chunks, self._place, wire
+            )
+            return
         rank, _ = self.rank_world()
         start = self._plan(start, nw, warn=info is None or info.id == 0)
         wid = self._logical_worker(wid, nw, start)
@@ -381,7 +363,7 @@ class TableDataset(ResumableEpochs, IterableDataset):
             positions = self._split().runs(start, rank)[wid]
 
             def chunks(done: int) -> Iterator[tuple[pa.Table, list[int]]]:
-                return self._rows_at(positions[done:])
+                return rest.rows_at(self, self._unit_rows, positions[done:])
         else:
             wpos, wrows = plan.worker_range(self.layout(), wid, nw, self.batch_size)
 
@@ -398,21 +380,21 @@ class TableDataset(ResumableEpochs, IterableDataset):
             self.rows, self.shuffle, self.shuffle_buffer, self.seed, self.uneven, self.drop_last
         )
 
-    def _plan(self, start: dict[str, Any] | None, nw: int, warn: bool) -> dict[str, Any] | None:
+    def _plan(self, start: Position | None, nw: int, warn: bool) -> Position | None:
         """The record a pass of ``nw`` workers starts from: ``start`` on the same layout, the
         rest of the epoch on another (`elastic`), or ``None`` (a fresh epoch)."""
+        if self.held is not None:  # the global batch index: the same on any layout
+            return start
         _, world = self.rank_world()
         return self._planned(
             start,
             nw,
             lambda s: self._same_layout(s, world, nw),
-            lambda: plan.progress_record(
-                self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
-            ),
+            lambda: self._position(world, nw),
             warn,
         )
 
-    def iter_wire(self, start: dict[str, Any] | None) -> Iterator[Any]:
+    def iter_wire(self, start: Position | None) -> Iterator[Any]:
         """What `TableLoader`'s workers iterate: ``(WireChunk, (worker, progress))`` items."""
         return self._iterate(start, tagged=True, wire=True)
 
@@ -422,15 +404,10 @@ class TableDataset(ResumableEpochs, IterableDataset):
     # "table" (fingerprint of files, row groups, filter), "workers": [[batches, rows] yielded
     # by each DataLoader worker, or None]}.
 
-    def _same_layout(self, start: dict[str, Any] | None, world: int, nw: int) -> bool:
-        return (
-            start is not None
-            and start.get("num_workers") == nw
-            and start.get("world_size") == world
-            and start.get("batch_size") == self.batch_size
-        )
+    def _same_layout(self, start: Position | None, world: int, nw: int) -> bool:
+        return split.same_layout(start, world, nw, self.batch_size)
 
-    def resume_position(self) -> dict[str, Any] | None:
+    def resume_position(self) -> Position | None:
         """Take the position restored by `load_state_dict`, once (``None`` when nothing
         was restored, or, with a warning, when it does not match this table and epoch)."""
         start, self._resume = self._resume, None
@@ -447,26 +424,42 @@ class TableDataset(ResumableEpochs, IterableDataset):
                 stacklevel=3,
             )
             return None
-        return start
+        return start if self._held_matches(start) else None
+
+    def held_join(self, parts: list[Any]) -> Any:
+        """The rank's batch of its workers' parts (the global batch held), transformed."""
+        out = held.join(parts, self.output)
+        return self.transform(out) if self.transform is not None else out
 
     def _rest_size(self, base: dict[str, Any]) -> tuple[int, int, str]:
         return len(self._split().rest(base)), self.rows, "rows"
 
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+    def start_progress(self, num_workers: int, start: Position | None = None) -> None:
         """Begin recording a pass read by ``num_workers`` workers (1: in this process), from
         ``start`` (on another world size, worker count or batch size: the rest of its epoch,
         `elastic`)."""
         _, world = self.rank_world()
         nw = max(1, int(num_workers))
+        if self.held is not None:
+            fields = {"rows": self.rows, "table": self.fingerprint}
+            self._live = self._held_record(nw, start, **fields)
+            return
         planned = self._plan(start, nw, warn=False)
         if planned is not None and planned.get("base") is not None:  # the rest, computed once
             self._split().runs(planned, self.rank_world()[0])  # (workers forked after inherit it)
-        if planned is not None:
-            self._live = json.loads(json.dumps(planned))
-        else:
-            self._live = plan.progress_record(
-                self._epoch, world, nw, self.rows, self.seed, self.fingerprint, self.batch_size
-            )
+        self._live = split.copied(planned) if planned is not None else self._position(world, nw)
+
+    def _position(self, world: int, nw: int) -> split.Position:
+        """A fresh position record of a pass (`split.Position`)."""
+        return split.position(
+            self._epoch,
+            world,
+            nw,
+            self.seed,
+            rows=self.rows,
+            batch_size=self.batch_size,
+            table=self.fingerprint,
+        )
 
     def loader(self, **dataloader_kwargs: Any) -> TableLoader:
         """A ``DataLoader`` over this dataset's batches that keeps `state_dict` exact

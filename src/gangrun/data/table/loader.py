@@ -13,7 +13,8 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from ..loader import VolumeLoader
-from . import plan
+from ..split import Position
+from . import held, plan
 from .handover import BlockPool, WireChunk
 
 
@@ -29,7 +30,7 @@ class _WireView:
     def __init__(self, ds: Any) -> None:
         self.ds = ds
 
-    def resume_position(self) -> dict[str, Any] | None:
+    def resume_position(self) -> Position | None:
         return self.ds.resume_position()
 
     @property
@@ -39,10 +40,10 @@ class _WireView:
     def set_epoch(self, epoch: int) -> None:
         self.ds.set_epoch(epoch)
 
-    def start_progress(self, num_workers: int, start: dict[str, Any] | None = None) -> None:
+    def start_progress(self, num_workers: int, start: Position | None = None) -> None:
         self.ds.start_progress(num_workers, start)
 
-    def iter_tagged(self, start: dict[str, Any] | None = None) -> Iterator[Any]:
+    def iter_tagged(self, start: Position | None = None) -> Iterator[Any]:
         return self.ds.iter_wire(start)
 
     def record_progress(self, worker: int, progress: Any) -> None:
@@ -51,6 +52,16 @@ class _WireView:
     @property
     def seed(self) -> int:
         return self.ds.seed
+
+    @property
+    def held(self) -> dict[str, int] | None:
+        return self.ds.held
+
+    def rank_world(self) -> tuple[int, int]:
+        return self.ds.rank_world()
+
+    def lane_layout(self) -> Any:
+        return self.ds.lane_layout()
 
     def state_dict(self) -> dict[str, Any]:
         return self.ds.state_dict()
@@ -127,6 +138,9 @@ class TableLoader(VolumeLoader):
     def _deliver(self, it: Any, pool: BlockPool | None) -> Iterator[Any]:
         """Each batch of the pass, its worker's progress recorded as it is handed out."""
         ds = self.volume
+        if self._held is not None:  # the global batch held: a part of each worker, joined
+            yield from held.turns(self, it, pool)
+            return
         if self._wire and int(self.num_workers) > 1:
             yield from self._in_turn(it, pool)
             return

@@ -7,7 +7,7 @@ A table is a list of *units* (one Parquet row group each, in file order), unit `
 ``rows[u]`` rows (the rows that pass the filter, when there is one). An epoch:
 
 1. orders the units (`unit_order`: file order, or a permutation seeded by
-   ``(seed, epoch)``) and lays their rows end to end: positions ``0..N-1``;
+   ``(seed, epoch)``: `split`, which also gives the rank and the position record) and lays their rows end to end: positions ``0..N-1``;
 2. gives rank ``r`` the contiguous positions ``[r*R, (r+1)*R)`` (`rank_range`), with
    ``R = ceil(N / world)`` and positions past ``N`` wrapping to the start (``uneven="pad"``:
    at most ``world - 1`` rows are read twice, none is skipped) or ``R = N // world``
@@ -25,10 +25,11 @@ A table is a list of *units* (one Parquet row group each, in file order), unit `
 from __future__ import annotations
 
 import bisect
-import os
 import random
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
+
+from .. import split
 
 
 class Piece(NamedTuple):
@@ -47,32 +48,9 @@ class Layout(NamedTuple):
     batches: int
 
 
-def env_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """``(rank, world_size)``: the arguments, else ``RANK``/``WORLD_SIZE`` (torchrun and gangrun
-    set both). One without the other is an error: every process would read as rank 0 of 1
-    (duplicated rows) or could not know its share."""
-    env_r, env_w = os.environ.get("RANK") or None, os.environ.get("WORLD_SIZE") or None
-    if rank is None and world_size is None and (env_r is None) != (env_w is None):
-        have, lack = ("RANK", "WORLD_SIZE") if env_r is not None else ("WORLD_SIZE", "RANK")
-        raise ValueError(
-            f"TableDataset: {have} is set ({os.environ[have]}) but {lack} is not; set both "
-            "(torchrun and gangrun do), or pass rank= and world_size= explicitly"
-        )
-    if rank is None:
-        rank = int(env_r) if env_r is not None else 0
-    if world_size is None:
-        world_size = int(env_w) if env_w is not None else 1
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"TableDataset: rank {rank} is outside world size {world_size}")
-    return rank, world_size
-
-
 def unit_order(n: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
-    """Unit indexes ``0..n-1`` in the order of ``epoch`` (seeded permutation when ``shuffle``)."""
-    order = list(range(n))
-    if shuffle:
-        random.Random(f"gangrun-table:{seed}:{epoch}").shuffle(order)
-    return order
+    """Unit indexes ``0..n-1`` in the order of ``epoch`` (`split.epoch_order`)."""
+    return split.epoch_order(n, shuffle, seed, epoch, "rows")
 
 
 def rank_layout(
@@ -154,30 +132,12 @@ def blocks(done: int, rows: int, size: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def progress_record(
-    epoch: int, world: int, nw: int, rows: int, seed: int, fingerprint: str, batch_size: int
-) -> dict[str, object]:
-    """A fresh position record of a pass: ``workers[w]`` becomes ``[batches, rows]`` yielded."""
-    return {
-        "epoch": epoch,
-        "world_size": world,
-        "num_workers": nw,
-        "rows": rows,
-        "seed": seed,
-        "batch_size": batch_size,
-        "table": fingerprint,
-        "workers": [None] * nw,
-    }
-
-
 __all__ = [
     "Layout",
     "Piece",
     "block_seed",
     "blocks",
-    "env_rank_world",
     "pieces",
-    "progress_record",
     "rank_layout",
     "unit_order",
     "worker_batches",
