@@ -45,7 +45,14 @@ SRC = ROOT / "src"
 # removed when the session's process exits. Processes the session starts (ranks unpickling a
 # test's function import this module again) inherit its path and reuse it: they neither make
 # a directory of their own nor remove the session's.
+# Under pytest-xdist (``-n``) each worker is a session of its own: its own directory, MLflow
+# store and leak check, so that workers running side by side see nothing of each other's.
+# A worker inherits the directory of the controller that started it, which ``_WORKER_VAR``
+# says was made by another process than this worker's (``PYTEST_XDIST_WORKER``), so it
+# makes its own; the ranks and commands a worker starts inherit both and reuse the worker's.
 _TMP_VAR = "GANGRUN_TEST_SESSION_TMP"
+_WORKER_VAR = "GANGRUN_TEST_SESSION_WORKER"  # the xdist worker whose directory it is ("": none)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 
 
 def _remove_session_tmp(path: str, owner: int) -> None:
@@ -57,9 +64,14 @@ def _session_tmp() -> tuple[str, bool]:
     """The session's directory, and whether this process made it (the session itself)."""
     inherited = os.environ.get(_TMP_VAR, "")
     if inherited and os.path.isdir(inherited):
-        return inherited, False
-    path = tempfile.mkdtemp(prefix="gangrun-tests-")
+        if os.environ.get(_WORKER_VAR, "") == WORKER:
+            return inherited, False
+        # an xdist worker: its own, beside (not inside) its controller's
+        path = tempfile.mkdtemp(prefix=f"gangrun-tests-{WORKER}-", dir=os.path.dirname(inherited))
+    else:
+        path = tempfile.mkdtemp(prefix="gangrun-tests-")
     os.environ[_TMP_VAR] = path
+    os.environ[_WORKER_VAR] = WORKER
     atexit.register(_remove_session_tmp, path, os.getpid())
     return path, True
 
@@ -368,9 +380,11 @@ def _is_unit(nodeid: str) -> bool:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every test's report: under xdist the controller gets its workers' reports here too,
+    so the figures below are the whole session's."""
     if _is_unit(report.nodeid):
         _unit_seconds[report.nodeid] = _unit_seconds.get(report.nodeid, 0.0) + report.duration
-    tier = _tier_of(report)
+    tier = _tier_of(report.nodeid)
     _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
     if report.when == "call":
         _tier_tests[tier] = _tier_tests.get(tier, 0) + 1
@@ -391,13 +405,15 @@ def _module_of(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
-_needed: dict[str, str] = {}  # node id -> what it needs ("kernel+browser"), when anything
-
-
-def _tier_of(report: pytest.TestReport) -> str:
-    if report.nodeid in _needed:
-        return _needed[report.nodeid]
-    return "unit" if _is_unit(report.nodeid) else "fast"
+def _tier_of(nodeid: str) -> str:
+    """What a test needs ("kernel+browser"), or "unit" / "fast", from its node id alone: an
+    xdist controller collects nothing (and ``--dist loadgroup`` appends ``@group``)."""
+    path, _, test = nodeid.partition("::")
+    module = _module_of(ROOT / path)
+    needs = tiers.needs(module, test.rsplit("@", 1)[0]) if module else set()
+    if needs:
+        return "+".join(n for n in tiers.FAST_LEAVES_OUT if n in needs)
+    return "unit" if _is_unit(nodeid) else "fast"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -410,6 +426,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True  # nothing in it can be selected: not even imported
 
 
+def _xdist_group(item: pytest.Item, module: str, needs: set[str]) -> str | None:
+    """The tests that ``-n N --dist loadgroup`` (`make test`) runs one after another on one
+    worker: every Ray test (one cluster at a time: each has a raylet per node, and Ray's own
+    processes take a core), and each module whose tests share a fixture of the module or
+    session (an MLflow server, a kernel: started once, not once per worker)."""
+    if "ray" in needs:
+        return "ray"
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        fd = defs[-1]
+        if fd.scope != "function" and fd.baseid.split("::", 1)[0].endswith(module):
+            return module
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names a grouped test by its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     found: set[str] = set()
     modules: set[str] = set()
@@ -421,8 +453,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         needs = tiers.needs(module, test)
         for need in sorted(needs):
             item.add_marker(need)
-        if needs:
-            _needed[item.nodeid] = "+".join(n for n in tiers.FAST_LEAVES_OUT if n in needs)
+        group = _xdist_group(item, module, needs)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
         if tiers.is_smoke(module, test):
             item.add_marker("smoke")
             found.add(f"{module}::{test.split('[', 1)[0]}")
@@ -449,14 +482,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """An xdist worker ended (on the controller): what it left behind is the session's."""
+    left = getattr(node, "workeroutput", {}).get("gangrun_left", [])
+    _left.extend(p for p in left if p not in _left)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if _OWNER:
+        _left[:] = sorted({*_left, *leftovers()})
+    if workeroutput is not None:  # an xdist worker: its controller reports and decides
+        workeroutput["gangrun_left"] = list(_left)
+        return
     budget = session.config.getoption("--unit-budget")
     if _unit_total() > budget and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if _OWNER:
-        _left[:] = leftovers()
-        if _left and exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _left and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
