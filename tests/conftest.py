@@ -406,11 +406,11 @@ def _module_of(path: str | os.PathLike[str]) -> str | None:
 
 
 def _tier_of(nodeid: str) -> str:
-    """What a test needs ("kernel+browser"), or "unit" / "fast", from its node id alone: an
-    xdist controller collects nothing (and ``--dist loadgroup`` appends ``@group``)."""
+    """What a test needs ("kernel+browser"), or "unit" / "fast", from its node id alone (an
+    xdist controller collects nothing itself: it has its workers' reports)."""
     path, _, test = nodeid.partition("::")
     module = _module_of(ROOT / path)
-    needs = tiers.needs(module, test.rsplit("@", 1)[0]) if module else set()
+    needs = tiers.needs(module, test) if module else set()
     if needs:
         return "+".join(n for n in tiers.FAST_LEAVES_OUT if n in needs)
     return "unit" if _is_unit(nodeid) else "fast"
@@ -426,22 +426,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True  # nothing in it can be selected: not even imported
 
 
-def _xdist_group(item: pytest.Item, module: str, needs: set[str]) -> str | None:
-    """The tests that ``-n N --dist loadgroup`` (`make test`) runs one after another on one
-    worker: every Ray test (one cluster at a time: each has a raylet per node, and Ray's own
-    processes take a core), and each module whose tests share a fixture of the module or
-    session (an MLflow server, a kernel: started once, not once per worker)."""
-    if "ray" in needs:
-        return "ray"
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info else ()):
-        fd = defs[-1]
-        if fd.scope != "function" and fd.baseid.split("::", 1)[0].endswith(module):
-            return module
-    return None
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist names a grouped test by its group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     found: set[str] = set()
     modules: set[str] = set()
@@ -453,9 +437,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         needs = tiers.needs(module, test)
         for need in sorted(needs):
             item.add_marker(need)
-        group = _xdist_group(item, module, needs)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
         if tiers.is_smoke(module, test):
             item.add_marker("smoke")
             found.add(f"{module}::{test.split('[', 1)[0]}")
@@ -482,7 +463,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+# ------------------------------------------------------------------- pytest-xdist (make test)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N --dist loadgroup``: the groups are tests/tiers.py's `tiers.xdist_scope` (every
+    Ray test in one, each module outside tests/unit in one), decided from the node ids. Not
+    xdist's own ``xdist_group`` marks: its renaming of a marked test's node id is lost on
+    pytest 9 (``Node.nodeid`` is no longer ``_nodeid``), so they would group nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return tiers.xdist_scope(_module_of(ROOT / path) or path, nodeid)
+
+    return TierGroupScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object) -> None:
     """An xdist worker ended (on the controller): what it left behind is the session's."""
     left = getattr(node, "workeroutput", {}).get("gangrun_left", [])
