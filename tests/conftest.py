@@ -453,6 +453,18 @@ def _unit_total() -> float:
     return sum(_unit_seconds.values())
 
 
+def _unit_budget(config: pytest.Config) -> tuple[float, str]:
+    """The unit tier's budget for this session, and how it was reached. Under ``-n N`` each
+    worker's tests share the cores with the other workers' (on 2 cores, `make test`'s two
+    workers: a unit test beside a gang of ranks), so their durations, which the budget sums,
+    stretch by up to N: the budget is N times ``--unit-budget``."""
+    budget = float(config.getoption("--unit-budget"))
+    workers = int(getattr(config.option, "numprocesses", 0) or 0)
+    if workers > 1 and getattr(config.option, "dist", "no") != "no":
+        return budget * workers, f" ({budget:g} s x {workers} workers sharing the cores)"
+    return budget, ""
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--unit-budget",
@@ -496,7 +508,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if workeroutput is not None:  # an xdist worker: its controller reports and decides
         workeroutput["gangrun_left"] = list(_left)
         return
-    budget = session.config.getoption("--unit-budget")
+    budget, _ = _unit_budget(session.config)
     if _unit_total() > budget and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if _left and exitstatus == pytest.ExitCode.OK:
@@ -522,10 +534,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_sep("-", "time by tier (tests/tiers.py): " + ", ".join(parts))
     if not _unit_seconds:
         return
-    budget = config.getoption("--unit-budget")
+    budget, how = _unit_budget(config)
     total = _unit_total()
     tr = terminalreporter
-    tr.write_sep("-", f"unit tier: {total:.1f} s of its {budget:g} s budget")
+    tr.write_sep("-", f"unit tier: {total:.1f} s of its {budget:g} s budget{how}")
     for nodeid, secs in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:8]:
         tr.write_line(f"{secs:7.2f} s  {nodeid}")
     if total > budget:
