@@ -4,13 +4,14 @@
 #   make test   - lint, type-check and the whole test suite (which also builds the docs with
 #                 warnings as errors and installs the wheel into a fresh venv); prints the
 #                 slowest tests and the time per tier, and fails when tests/unit exceeds its
-#                 time budget
+#                 time budget. Runs on TEST_WORKERS pytest-xdist workers (default 2; 0: one
+#                 process): every Ray test on one worker, one after another
 #   make test-smoke - one test per main path (a call, a failure, a resume, a notebook cell, a Ray
 #                 call...), about a minute; the list is tests/tiers.py SMOKE
 #   make test-unit - the unit tier alone (no gangs, a few fresh interpreters): its durations and budget
 #                 (tests/conftest.py UNIT_BUDGET_S) are printed at the end
 #   make test-fast - every test that needs no Ray, Jupyter kernel, browser, packaging or soak
-#                 (what each module needs: tests/tiers.py)
+#                 (what each module needs: tests/tiers.py), on TEST_WORKERS workers too
 #   make docs   - the documentation (MkDocs + mkdocstrings) into ./site, warnings as errors
 #   make dist   - wheel and sdist into ./dist
 #   make soak   - the fault-injection soak (1000 runs, a fresh seed)
@@ -24,6 +25,13 @@ DEMO_STAMP := $(VENV)/.installed-demo
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
+# Many system tests wait (for processes to start, heartbeats, timeouts) as much as they
+# compute: two workers on two cores take samples of the suite in 0.71-0.76 of the time
+# of one process (README, Tests).
+# --dist loadgroup keeps the tests that tests/conftest.py groups (Ray, a module's shared
+# server or kernel) on one worker.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo test test-smoke test-unit test-fast soak soak-resume lint typecheck bench venv clean docs dist
 
@@ -52,7 +60,7 @@ test: $(STAMP)
 	$(PY) -m ruff check src tests examples bench
 	$(PY) -m ruff format --check src tests examples bench
 	$(PY) -m mypy
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(XDIST)
 
 test-smoke: $(STAMP)
 	$(PY) -m pytest -q -m smoke --durations=15
@@ -61,7 +69,7 @@ test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not (ray or kernel or browser or packaging or soak)" --durations=15
+	$(PY) -m pytest -q -m "not (ray or kernel or browser or packaging or soak)" --durations=15 $(XDIST)
 
 soak: $(STAMP)
 	GANGRUN_SOAK_RUNS=$${GANGRUN_SOAK_RUNS:-1000} GANGRUN_SOAK_SEED=$${GANGRUN_SOAK_SEED:-$$(od -An -N3 -tu4 /dev/urandom | tr -d " ")} \

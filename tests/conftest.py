@@ -45,7 +45,14 @@ SRC = ROOT / "src"
 # removed when the session's process exits. Processes the session starts (ranks unpickling a
 # test's function import this module again) inherit its path and reuse it: they neither make
 # a directory of their own nor remove the session's.
+# Under pytest-xdist (``-n``) each worker is a session of its own: its own directory, MLflow
+# store and leak check, so that workers running side by side see nothing of each other's.
+# A worker inherits the directory of the controller that started it, which ``_WORKER_VAR``
+# says was made by another process than this worker's (``PYTEST_XDIST_WORKER``), so it
+# makes its own; the ranks and commands a worker starts inherit both and reuse the worker's.
 _TMP_VAR = "GANGRUN_TEST_SESSION_TMP"
+_WORKER_VAR = "GANGRUN_TEST_SESSION_WORKER"  # the xdist worker whose directory it is ("": none)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 
 
 def _remove_session_tmp(path: str, owner: int) -> None:
@@ -57,9 +64,14 @@ def _session_tmp() -> tuple[str, bool]:
     """The session's directory, and whether this process made it (the session itself)."""
     inherited = os.environ.get(_TMP_VAR, "")
     if inherited and os.path.isdir(inherited):
-        return inherited, False
-    path = tempfile.mkdtemp(prefix="gangrun-tests-")
+        if os.environ.get(_WORKER_VAR, "") == WORKER:
+            return inherited, False
+        # an xdist worker: its own, beside (not inside) its controller's
+        path = tempfile.mkdtemp(prefix=f"gangrun-tests-{WORKER}-", dir=os.path.dirname(inherited))
+    else:
+        path = tempfile.mkdtemp(prefix="gangrun-tests-")
     os.environ[_TMP_VAR] = path
+    os.environ[_WORKER_VAR] = WORKER
     atexit.register(_remove_session_tmp, path, os.getpid())
     return path, True
 
@@ -368,9 +380,11 @@ def _is_unit(nodeid: str) -> bool:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Every test's report: under xdist the controller gets its workers' reports here too,
+    so the figures below are the whole session's."""
     if _is_unit(report.nodeid):
         _unit_seconds[report.nodeid] = _unit_seconds.get(report.nodeid, 0.0) + report.duration
-    tier = _tier_of(report)
+    tier = _tier_of(report.nodeid)
     _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
     if report.when == "call":
         _tier_tests[tier] = _tier_tests.get(tier, 0) + 1
@@ -391,13 +405,15 @@ def _module_of(path: str | os.PathLike[str]) -> str | None:
         return None
 
 
-_needed: dict[str, str] = {}  # node id -> what it needs ("kernel+browser"), when anything
-
-
-def _tier_of(report: pytest.TestReport) -> str:
-    if report.nodeid in _needed:
-        return _needed[report.nodeid]
-    return "unit" if _is_unit(report.nodeid) else "fast"
+def _tier_of(nodeid: str) -> str:
+    """What a test needs ("kernel+browser"), or "unit" / "fast", from its node id alone (an
+    xdist controller collects nothing itself: it has its workers' reports)."""
+    path, _, test = nodeid.partition("::")
+    module = _module_of(ROOT / path)
+    needs = tiers.needs(module, test) if module else set()
+    if needs:
+        return "+".join(n for n in tiers.FAST_LEAVES_OUT if n in needs)
+    return "unit" if _is_unit(nodeid) else "fast"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -421,8 +437,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         needs = tiers.needs(module, test)
         for need in sorted(needs):
             item.add_marker(need)
-        if needs:
-            _needed[item.nodeid] = "+".join(n for n in tiers.FAST_LEAVES_OUT if n in needs)
         if tiers.is_smoke(module, test):
             item.add_marker("smoke")
             found.add(f"{module}::{test.split('[', 1)[0]}")
@@ -439,6 +453,18 @@ def _unit_total() -> float:
     return sum(_unit_seconds.values())
 
 
+def _unit_budget(config: pytest.Config) -> tuple[float, str]:
+    """The unit tier's budget for this session, and how it was reached. Under ``-n N`` each
+    worker's tests share the cores with the other workers' (on 2 cores, `make test`'s two
+    workers: a unit test beside a gang of ranks), so their durations, which the budget sums,
+    stretch by up to N: the budget is N times ``--unit-budget``."""
+    budget = float(config.getoption("--unit-budget"))
+    workers = int(getattr(config.option, "numprocesses", 0) or 0)
+    if workers > 1 and getattr(config.option, "dist", "no") != "no":
+        return budget * workers, f" ({budget:g} s x {workers} workers sharing the cores)"
+    return budget, ""
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--unit-budget",
@@ -449,14 +475,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# ------------------------------------------------------------------- pytest-xdist (make test)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N --dist loadgroup``: the groups are tests/tiers.py's `tiers.xdist_scope` (every
+    Ray test in one, each module outside tests/unit in one), decided from the node ids. Not
+    xdist's own ``xdist_group`` marks: its renaming of a marked test's node id is lost on
+    pytest 9 (``Node.nodeid`` is no longer ``_nodeid``), so they would group nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return tiers.xdist_scope(_module_of(ROOT / path) or path, nodeid)
+
+    return TierGroupScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """An xdist worker ended (on the controller): what it left behind is the session's."""
+    left = getattr(node, "workeroutput", {}).get("gangrun_left", [])
+    _left.extend(p for p in left if p not in _left)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    budget = session.config.getoption("--unit-budget")
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if _OWNER:
+        _left[:] = sorted({*_left, *leftovers()})
+    if workeroutput is not None:  # an xdist worker: its controller reports and decides
+        workeroutput["gangrun_left"] = list(_left)
+        return
+    budget, _ = _unit_budget(session.config)
     if _unit_total() > budget and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if _OWNER:
-        _left[:] = leftovers()
-        if _left and exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _left and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
@@ -478,10 +534,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_sep("-", "time by tier (tests/tiers.py): " + ", ".join(parts))
     if not _unit_seconds:
         return
-    budget = config.getoption("--unit-budget")
+    budget, how = _unit_budget(config)
     total = _unit_total()
     tr = terminalreporter
-    tr.write_sep("-", f"unit tier: {total:.1f} s of its {budget:g} s budget")
+    tr.write_sep("-", f"unit tier: {total:.1f} s of its {budget:g} s budget{how}")
     for nodeid, secs in sorted(_unit_seconds.items(), key=lambda kv: -kv[1])[:8]:
         tr.write_line(f"{secs:7.2f} s  {nodeid}")
     if total > budget:

@@ -122,6 +122,21 @@ def needs(module: str, test: str | None = None) -> set[str]:
     return got
 
 
+def xdist_scope(module: str, nodeid: str) -> str:
+    """What `make test`'s workers (pytest-xdist, ``-n 2 --dist loadgroup``; conftest's
+    scheduler) run one after another on one worker, by a test's ``module`` and node id: every
+    test that needs Ray ("ray": one local cluster at a time, each with a raylet per node, and
+    the timings of a node lost or a caller killed measured without a second cluster beside);
+    the tests of a module outside tests/unit (its module fixtures, an MLflow server, a kernel,
+    a baseline run, start once); a unit test on its own."""
+    test = nodeid.split("::", 1)[1] if "::" in nodeid else ""
+    if "ray" in needs(module, test):
+        return "ray"
+    if not module.startswith("unit/"):
+        return module
+    return nodeid
+
+
 def is_smoke(module: str, test: str) -> bool:
     return f"{module}::{test}" in SMOKE or f"{module}::{test.split('[', 1)[0]}" in SMOKE
 

@@ -8,6 +8,8 @@ The cluster is shared by the module's tests and torn down at the end (no raylet 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 import psutil
@@ -23,11 +25,16 @@ MB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    os.environ["RAY_TMPDIR"] = str(tmp_path_factory.mktemp("ray"))
+    # Short, as raycluster's: Ray's socket paths (<temp>/session_<date>_<pid>/sockets/
+    # plasma_store) must fit in 107 bytes, which pytest's tmp_path under an xdist worker
+    # (/tmp/pytest-of-root/pytest-N/popen-gw0/ray0) does not leave room for.
+    temp = tempfile.mkdtemp(prefix="grray-", dir="/tmp")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB, "include_dashboard": False},
@@ -53,6 +60,11 @@ def cluster(tmp_path_factory):
         while pids_alive(pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = pids_alive(pids)
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(temp, ignore_errors=True)
         assert not left, f"Ray processes survived the cluster shutdown: {left}"
 
 

@@ -115,3 +115,18 @@ def test_the_markers_are_registered():
     assert block, "no markers in pyproject.toml's [tool.pytest.ini_options]"
     names = set(re.findall(r'^\s*"(\w+):', block.group(1), flags=re.M))
     assert {*NEEDS_KINDS, "smoke", "slow", "mlflow"} <= names
+
+
+def test_make_tests_workers_run_ray_tests_and_each_system_module_in_one_group():
+    """`tiers.xdist_scope`, the groups of `make test`'s xdist workers: every test that needs
+    Ray in one (one cluster at a time), a module outside tests/unit in one (its fixtures
+    start once), a unit test alone."""
+    ray_modules = [m for m in tiers.NEEDS if "::" not in m and "ray" in tiers.needs(m)]
+    assert len(ray_modules) >= 4
+    for m in ray_modules:
+        assert tiers.xdist_scope(m, f"tests/{m}::test_x[a-b]") == "ray"
+    core = "system/test_core.py"
+    assert tiers.xdist_scope(core, f"tests/{core}::test_timeout") == core
+    assert tiers.xdist_scope(core, f"tests/{core}::test_cancel") == core
+    unit = "tests/unit/test_log.py::test_a"
+    assert tiers.xdist_scope("unit/test_log.py", unit) == unit
