@@ -160,8 +160,8 @@ def create(run_id: str, log_dir: str | None) -> RunDir:
 def _raise_if_full(what: str, path: str, exc: OSError) -> None:
     """A run-directory file the caller could not write for want of room: a
     [`LaunchError`][gangrun.errors.LaunchError] that says so (other errors are left as they are)."""
-    from ..errors import LaunchError
     from .diskfull import full_message, is_full
+    from .errors import LaunchError
 
     if is_full(exc):
         raise LaunchError("gangrun " + full_message(what, path, exc)) from exc

@@ -22,7 +22,7 @@ import stat
 from collections import deque
 from typing import Any, BinaryIO
 
-from ..errors import LaunchError
+from .errors import LaunchError
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40  # symlinks followed in one path, as the kernel's own limit

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from ..errors import LaunchError
+from .errors import LaunchError
 
 PROTOCOL = 5
 DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
