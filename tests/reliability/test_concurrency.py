@@ -100,7 +100,7 @@ def test_reservation_is_cross_process_and_freed_when_holder_dies(fake_gpus):
     code = textwrap.dedent(
         f"""
         import sys, time
-        from gangrun import reservation
+        from gangrun.host import reservation
         from gangrun.host.accelerators import Accelerator
         devs = [Accelerator(i, "H100", {fake_gpus[0].uuid[:-2]!r} + "-" + str(i)) for i in range(4)]
         res = reservation.reserve(devs, 2, wait=0)
