@@ -57,7 +57,7 @@ def test_the_failure_patterns_have_one_home_the_policy_reads_them_there():
     assert defined["TRANSIENT_TEXT"] == ["lifecycle/rootcause.py"]
     assert defined["TRANSIENT_TYPES"] == ["lifecycle/rootcause.py"]
     assert defined["UNAVAILABLE_TEXT"] == ["lifecycle/rootcause.py"]
-    assert defined["PEER_ECHO_TEXT"] == ["errors.py"]
+    assert defined["PEER_ECHO_TEXT"] == ["wire/errors.py"]
     policy = trees["lifecycle/policy.py"]
     imported = {
         a.name
