@@ -160,8 +160,8 @@ def test_gpu_usage_without_a_driver():
 
 @pytest.mark.parametrize(("local_rank", "count", "want"), [("0", 2, 0), ("3", 4, 3), ("5", 4, 1)])
 def test_device_makes_the_ranks_gpu_current(monkeypatch, local_rank, count, want):
-    """`gangrun.device()` sets the rank's current CUDA device (nccl needs it; issue 31 item
-    12). No GPU here: CUDA's answers are stand-ins, the call to `set_device` is recorded."""
+    """`gangrun.device()` sets the rank's current CUDA device (nccl needs it). No GPU
+    here: CUDA's answers are stand-ins, the call to `set_device` is recorded."""
     torch = pytest.importorskip("torch")
     import gangrun
 

@@ -7,7 +7,7 @@
 ...     ds.set_epoch(epoch)
 ...     for batch in loader: ...
 
-What it guarantees (SPEC section 5):
+What it guarantees:
 
 - the files under a local directory, a glob, or any fsspec URL are listed once and sorted, so
   every rank and every DataLoader worker sees the same list;
@@ -45,8 +45,8 @@ torch):
   handed over, naming the file (and row group), the rank and the DataLoader worker;
 - ``dataset``: [`VolumeDataset`][gangrun.data.VolumeDataset];
 - ``loader``: `VolumeLoader`;
-- ``table``: the package of `TableDataset`, batches of a Parquet or Delta Lake table (SPEC
-  section 11): ``table.dataset`` (the dataset), ``table.loader`` (`TableLoader`),
+- ``table``: the package of `TableDataset`, batches of a Parquet or Delta Lake table:
+  ``table.dataset`` (the dataset), ``table.loader`` (`TableLoader`),
   ``table.plan`` (the split arithmetic, pure), ``table.source`` (files, schema, row groups;
   pyarrow), ``table.delta`` (Delta snapshots; deltalake), ``table.convert`` (Arrow to tensors)
   and ``table.handover`` (the DataLoader workers' hand-over of batches). pyarrow and deltalake
