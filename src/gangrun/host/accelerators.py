@@ -130,8 +130,8 @@ def accelerators() -> list[Accelerator]:
     """The GPUs this process may use, honouring ``CUDA_VISIBLE_DEVICES``; empty without any.
 
     What a script asks before choosing its ranks: every GPU of the node, or CPU ranks on a
-    machine without one. Asks the driver (NVML, then ``nvidia-smi``) without initialising
-    CUDA in the caller.
+    machine without one. Asks the driver (NVML, then ``nvidia-smi``): CUDA is initialised in
+    the caller only when neither answers and a GPU device node exists.
 
     >>> fn = train.options(gpus=None) if gangrun.accelerators() else train.options(processes=2)
 
