@@ -27,7 +27,7 @@ export NO_MKDOCS_2_WARNING ?= 1
 export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH),)
 # Many system tests wait (for processes to start, heartbeats, timeouts) as much as they
 # compute: two workers on two cores take samples of the suite in 0.71-0.76 of the time
-# of one process (README, Tests).
+# of one process (docs/benchmarks.md, the test suite's run time).
 # --dist loadgroup keeps the tests that tests/conftest.py groups (Ray, a module's shared
 # server or kernel) on one worker.
 TEST_WORKERS ?= 2

@@ -1,4 +1,4 @@
-"""(issue 29) The rest of an epoch on another number of ranks: its throughput against a
+"""The rest of an epoch on another number of ranks: its throughput against a
 fresh epoch's, 2 ranks x 2 DataLoader workers, files (`VolumeDataset`) and tables
 (`TableDataset`).
 

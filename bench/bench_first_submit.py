@@ -1,4 +1,4 @@
-"""What a script's first ``submit()`` costs, next to the later ones (issue 31, item 14).
+"""What a script's first ``submit()`` costs, next to the later ones.
 
 Each repetition is a fresh interpreter (a script's first call: no fork server yet, MLflow not
 imported) that submits a trivial 2-rank call three times, with MLflow on (a sqlite store made

@@ -1,4 +1,4 @@
-"""(9) Ray clusters (issue 22): environment synchronisation and cluster gangs.
+"""(9) Ray clusters: environment synchronisation and cluster gangs.
 
 On a real two-raylet cluster on loopback (the second raylet in its own mount namespace, the
 project directory hidden there: ``tests/system/raycluster.py``; needs root and ``unshare``):

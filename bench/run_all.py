@@ -352,7 +352,7 @@ def markdown(results: dict, rows: list[dict], env: dict, kept: dict[str, str] | 
         "   on and off; the first call made 3 s after decorating (fork server prewarmed, and the",
         "   modules a call needs imported, in the background; `BENCH_FIRST_WAIT_S` changes the",
         "   pause) and a cold first call, next to the warm relaunch.",
-        "9. **watch**: the cost of watching a run (issue 20). In a real kernel, 2 ranks, MLflow on in",
+        "9. **watch**: the cost of watching a run. In a real kernel, 2 ranks, MLflow on in",
         "   both variants (the grid needs it; the fork server preloads mlflow): a warm relaunch",
         "   with the live panel (progress line, per-rank rows, chart grid) and a function that calls",
         "   `gangrun.report_step` at each of its 200 steps and logs a metric, against",

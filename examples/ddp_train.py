@@ -20,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gangrun
 from gangrun import distributed
-from gangrun.host.accelerators import detect
 
 
 def make_model() -> nn.Module:
@@ -74,7 +73,7 @@ def _main() -> None:
     fn = train.options(mlflow=not a.no_mlflow)
     if a.processes is not None:
         fn = fn.options(processes=a.processes)
-    elif detect():
+    elif gangrun.accelerators():
         fn = fn.options(gpus=None)  # every GPU of this node
     else:
         fn = fn.options(processes=2)

@@ -30,7 +30,6 @@ from torch.distributed.fsdp import fully_shard
 
 import gangrun
 from gangrun import distributed
-from gangrun.host.accelerators import detect
 
 
 def make_model() -> nn.Module:
@@ -127,7 +126,7 @@ def _main() -> None:
     fn = train.options(mlflow=not a.no_mlflow)
     if a.processes is not None:
         fn = fn.options(processes=a.processes)
-    elif detect():
+    elif gangrun.accelerators():
         fn = fn.options(gpus=None)  # every GPU of this node
     else:
         fn = fn.options(processes=2)

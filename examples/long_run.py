@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 import gangrun
-from gangrun.host.accelerators import detect
 
 STEPS = 40
 
@@ -72,7 +71,7 @@ def _main() -> None:
     a = p.parse_args()
     root = a.ckpt or tempfile.mkdtemp(prefix="long-run-")
     fn = train.options(mlflow=not a.no_mlflow)
-    fn = fn.options(gpus=None) if detect() else fn.options(processes=2)
+    fn = fn.options(gpus=None) if gangrun.accelerators() else fn.options(processes=2)
     base = fn.options(checkpoint_dir=os.path.join(root, "base")).distributed(a.framework)
     handle = fn.options(checkpoint_dir=os.path.join(root, "run")).submit(a.framework, 0.05)
     time.sleep(3.0)  # somewhere mid-training (or not yet started: then it stops at step 1)
@@ -87,7 +86,7 @@ def _main() -> None:
         float((again[0]["params"][k] - v).abs().max()) for k, v in base[0]["params"].items()
     )
     print(f"{len(base)} ranks, {a.framework}: resumed from {again[0]['start']}, max diff {worst}")
-    assert worst <= (0.0 if not detect() else 1e-6), "the resumed run ended elsewhere"
+    assert worst <= (0.0 if not gangrun.accelerators() else 1e-6), "the resumed run ended elsewhere"
     print("OK")
 
 

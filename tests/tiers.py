@@ -91,7 +91,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
 # The main paths, one test each (make test-smoke): a call, a failure, a timeout, a cancel, the
 # Future protocol, `import gangrun` staying light, `gangrun run`, a Checkpointer's save and
 # exact resume, a cell in a real kernel, a Ray call across two raylets, the interactive gang;
-# and the check of these tiers. Their time: README.md, Tests.
+# and the check of these tiers. Their time: docs/benchmarks.md.
 SMOKE = (
     "system/test_core.py::test_success_results_env_and_output",
     "system/test_core.py::test_rank_raises_while_other_blocks_in_all_reduce",

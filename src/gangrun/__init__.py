@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .api import DistributedFunction, Options, RunHandle, distributed
     from .defaults import reset_defaults, set_defaults
     from .errors import DistributedCancelledError
-    from .host.accelerators import backend, device
+    from .host.accelerators import accelerators, backend, device
     from .interactive.magic import load_ipython_extension
     from .interactive.session import Gang
     from .options import ForkServerOptions, RayOptions
@@ -39,36 +39,39 @@ if TYPE_CHECKING:  # pragma: no cover
     from .rank.progress import report_step
     from .wire.records import RankFailure
 
+# Every lazily loaded name and the module that defines it (full paths: tests/unit/test_layers.py
+# reads them as imports of this module, tests/unit/test_public_names.py resolves them).
 _LAZY = {
-    "DistributedCancelledError": "errors",  # made on first use (gangrun.errors.__getattr__)
-    "distributed": "api",
-    "DistributedFunction": "api",
-    "RunHandle": "api",
-    "Options": "api",
-    "RayOptions": "options",
-    "ForkServerOptions": "options",
-    "device": "host.accelerators",
-    "backend": "host.accelerators",
-    "heartbeat": "rank.heartbeat",
-    "report_step": "rank.progress",
-    "Checkpointer": "rank.checkpointer",
-    "should_stop": "rank.checkpointer",
-    "RankFailure": "records",
-    "set_defaults": "defaults",
-    "reset_defaults": "defaults",
-    "Gang": "interactive.session",
-    "rank_state": "rank.interactive",
-    "load_ipython_extension": "interactive.magic",
+    "DistributedCancelledError": "gangrun.errors",  # made on first use (its __getattr__)
+    "distributed": "gangrun.api",
+    "DistributedFunction": "gangrun.api",
+    "RunHandle": "gangrun.api",
+    "Options": "gangrun.api",
+    "RayOptions": "gangrun.options",
+    "ForkServerOptions": "gangrun.options",
+    "accelerators": "gangrun.host.accelerators",
+    "device": "gangrun.host.accelerators",
+    "backend": "gangrun.host.accelerators",
+    "heartbeat": "gangrun.rank.heartbeat",
+    "report_step": "gangrun.rank.progress",
+    "Checkpointer": "gangrun.rank.checkpointer",
+    "should_stop": "gangrun.rank.checkpointer",
+    "RankFailure": "gangrun.wire.records",
+    "set_defaults": "gangrun.defaults",
+    "reset_defaults": "gangrun.defaults",
+    "Gang": "gangrun.interactive.session",
+    "rank_state": "gangrun.rank.interactive",
+    "load_ipython_extension": "gangrun.interactive.magic",
 }
 
 
 def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
+    module = _LAZY.get(name)
+    if module is None:
         raise AttributeError(f"module 'gangrun' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -84,6 +87,7 @@ __all__ = [
     "Options",
     "RayOptions",
     "ForkServerOptions",
+    "accelerators",
     "device",
     "backend",
     "DistributedError",

@@ -257,7 +257,7 @@ def killed_after_a_step(log: str) -> None:
 
 def bug_at_the_first_step(log: str, steps: int, bug: bool) -> int:
     """A Checkpointer-driven loop (1 rank); with ``bug``, a TypeError in the first step's body
-    on every attempt, before that step completes (issue 28 item 9)."""
+    on every attempt, before that step completes."""
     import torch
 
     import gangrun

@@ -1,5 +1,7 @@
-"""Regression tests of the reliability issue's items that live in the call's lifecycle
-(items 2, 4, 5, 8, 9, 11, 12, 13): each failed on the main branch before the fix."""
+"""What a call's lifecycle guarantees at its edges: stale run directories reaped only when
+provably dead, a monitor failure still finishing the call, forked children of the caller,
+the error record deciding a rank's outcome, the ranks' ``PYTHONPATH``, an early clean exit as
+the root cause, bad input refused before anything starts, and an unprintable exception."""
 
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ def _plant(tmp: Path, name: str, **ctx) -> Path:
     return d
 
 
-def test_item2_stale_reaping_only_for_this_host_and_pid_namespace(script, tmp_path):
-    """Item 2: a run directory whose caller lived in another PID namespace (another
+def test_stale_reaping_only_for_this_host_and_pid_namespace(script, tmp_path):
+    """A run directory whose caller lived in another PID namespace (another
     container) or on another host sharing the temp dir is never reaped; one provably dead
     here is. The other namespace/host is simulated by writing their ids into context.json."""
     tmp = tmp_path / "tmp"
@@ -74,8 +76,8 @@ def test_item2_stale_reaping_only_for_this_host_and_pid_namespace(script, tmp_pa
     assert not here.exists()
 
 
-def test_item2_monitor_failure_still_finishes_the_call(monkeypatch):
-    """Item 2: an exception while tearing the call down (clearing the attempt files raises)
+def test_monitor_failure_still_finishes_the_call(monkeypatch):
+    """An exception while tearing the call down (clearing the attempt files raises)
     must not leave the call unfinished: every exit path settles the outcome."""
     real = os.listdir
 
@@ -86,15 +88,15 @@ def test_item2_monitor_failure_still_finishes_the_call(monkeypatch):
 
     monkeypatch.setattr(os, "listdir", failing_listdir)
     h = _fn(rel_funcs.tagged).submit("t", 0.0)
-    res = h.result(timeout=60)  # before the fix: TimeoutError, the monitor thread had died
+    res = h.result(timeout=60)  # a dead monitor thread would leave it waiting
     assert [r["tag"] for r in res] == ["t", "t"]
     assert h.done()
 
 
-def test_item4_forked_child_exits_at_once_and_leaves_the_call_alone(script):
-    """Item 4: a forked child of the caller exiting with sys.exit(0) took 20 s (both atexit
-    hooks cancelled the parent's calls from the child); now it exits at once and the parent's
-    call runs on to its result."""
+def test_forked_child_exits_at_once_and_leaves_the_call_alone(script):
+    """A forked child of the caller exiting with sys.exit(0) exits at once (its atexit hooks
+    do not cancel the parent's calls from the child) and the parent's call runs on to its
+    result."""
     proc = script(
         f"""
         import os, sys, time
@@ -118,9 +120,9 @@ def test_item4_forked_child_exits_at_once_and_leaves_the_call_alone(script):
     assert "RESULT ['p', 'p']" in out
 
 
-def test_item5_error_record_is_authoritative_with_sigchld_ignored(script):
-    """Item 5: with SIGCHLD ignored every exit status reads 0; rank 1 raised and the call
-    returned [0, None]. The error record decides: the call fails, blaming rank 1."""
+def test_error_record_is_authoritative_with_sigchld_ignored(script):
+    """With SIGCHLD ignored every exit status reads 0, and rank 1 raised: the error record
+    decides, the call fails blaming rank 1 (never returns [0, None])."""
     proc = script(
         f"""
         import signal, sys
@@ -142,8 +144,8 @@ def test_item5_error_record_is_authoritative_with_sigchld_ignored(script):
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_item5_no_result_and_no_error_is_a_failure(start_method):
-    """Item 5: a rank that ends with neither a result nor an error record (os._exit(0))
+def test_no_result_and_no_error_is_a_failure(start_method):
+    """A rank that ends with neither a result nor an error record (os._exit(0))
     is a failure, never a ``None`` result."""
     with pytest.raises(DistributedError) as ei:
         _fn(rel_funcs.os_exit0_on_rank1, start_method=start_method).distributed()
@@ -153,9 +155,9 @@ def test_item5_no_result_and_no_error_is_a_failure(start_method):
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_item8_env_pythonpath_is_added_first(tmp_path, start_method):
-    """Item 8: env={"PYTHONPATH": dir} was ignored (the caller's sys.path replaced it): the
-    ranks get the caller's sys.path plus PYTHONPATH's entries, those first."""
+def test_env_pythonpath_is_added_first(tmp_path, start_method):
+    """env={"PYTHONPATH": dir} is not replaced by the caller's sys.path: the ranks get the
+    caller's sys.path plus PYTHONPATH's entries, those first."""
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "lc_only_here.py").write_text("VALUE = 42\n")
@@ -166,9 +168,9 @@ def test_item8_env_pythonpath_is_added_first(tmp_path, start_method):
     assert all(r["path"][0] == str(mods) for r in res)
 
 
-def test_item9_early_exit_zero_is_the_root_cause():
-    """Item 9: rank 1 leaves with sys.exit(0) while rank 0 waits for it in all_reduce: the
-    error blamed rank 0's "Connection reset by peer". Rank 1 is the root cause now."""
+def test_early_exit_zero_is_the_root_cause():
+    """Rank 1 leaves with sys.exit(0) while rank 0 waits for it in all_reduce: rank 1 is the
+    root cause, not rank 0's "Connection reset by peer"."""
     pytest.importorskip("torch")
     with pytest.raises(DistributedError) as ei:
         _fn(rel_funcs.exit0_during_all_reduce).distributed()
@@ -179,9 +181,9 @@ def test_item9_early_exit_zero_is_the_root_cause():
     assert 1 in e.failures and e.failures[1].exitcode == 0
 
 
-def test_item11_deleted_working_directory(script, tmp_path):
-    """Item 11: with the working directory deleted, a call raised a raw FileNotFoundError
-    and leaked a run directory; now LaunchError says so and nothing is left behind."""
+def test_deleted_working_directory_is_a_launch_error(script, tmp_path):
+    """With the working directory deleted, a call raises a LaunchError that says so (not a
+    raw FileNotFoundError) and leaves no run directory behind."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(mode=0o700)
     proc = script(
@@ -204,9 +206,9 @@ def test_item11_deleted_working_directory(script, tmp_path):
     assert _run_dirs(tmp) == []
 
 
-def test_item12_pathlib_path_in_sys_path(monkeypatch, tmp_path):
-    """Item 12: a pathlib.Path in sys.path raised a raw TypeError ("not JSON serializable")
-    and leaked a run directory with a partial context.json."""
+def test_pathlib_path_in_sys_path_works_and_leaves_nothing(monkeypatch, tmp_path):
+    """A pathlib.Path in sys.path works (no raw TypeError, "not JSON serializable") and
+    leaves no run directory with a partial context.json."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(mode=0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -220,8 +222,8 @@ def test_item12_pathlib_path_in_sys_path(monkeypatch, tmp_path):
     assert _run_dirs(tmp) == []
 
 
-def test_item12_any_startup_failure_cleans_up(monkeypatch, tmp_path):
-    """Item 12: any start-up failure (here: the payload cannot be written) leaves nothing."""
+def test_any_startup_failure_cleans_up(monkeypatch, tmp_path):
+    """Any start-up failure (here: the payload cannot be written) leaves nothing."""
     tmp = tmp_path / "tmp"
     tmp.mkdir(mode=0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
@@ -230,9 +232,9 @@ def test_item12_any_startup_failure_cleans_up(monkeypatch, tmp_path):
     assert _run_dirs(tmp) == []
 
 
-def test_item13_exception_whose_str_raises():
-    """Item 13: an exception whose __str__ raises was reported as "exited with code 70
-    without a Python exception"; now its type and traceback, with a note for the message."""
+def test_exception_whose_str_raises_is_reported():
+    """An exception whose __str__ raises is reported with its type and traceback and a note
+    for the message (not as "exited with code 70 without a Python exception")."""
     with pytest.raises(DistributedError) as ei:
         _fn(rel_funcs.raise_unprintable, processes=1).distributed()
     e = ei.value

@@ -1,7 +1,7 @@
-"""Issue 24, reliability items 3 and 4: a full disk under the run directory (a small tmpfs the
-test mounts), and a fork server killed mid-call. Each failed on the main branch before the fix
-(item 3: "returned a value that cannot be serialized ... Return plain data", a TypeError;
-item 4: "Rank 1 was killed by SIGKILL (often the out-of-memory killer ...)", err.rank set)."""
+"""A full disk under the run directory (a small tmpfs the test mounts) is said as such, not
+as "returned a value that cannot be serialized ... Return plain data"; a fork server killed
+mid-call is the cause, not a rank ("Rank 1 was killed by SIGKILL (often the out-of-memory
+killer ...)", err.rank set)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def _wait_for(paths, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-# ---------------------------------------------------------------- item 4: a dead fork server
-def test_item4_fork_server_killed_mid_call_is_not_blamed_on_a_rank(tmp_path):
+# ---------------------------------------------------------------- a dead fork server
+def test_fork_server_killed_mid_call_is_not_blamed_on_a_rank(tmp_path):
     opts = {"processes": 2, "start_method": "forkserver", "timeout": 60}
     fn = gangrun.distributed(**opts)(reports_pid_and_sleeps)
     handle = fn.submit(str(tmp_path))
@@ -56,7 +56,7 @@ def test_item4_fork_server_killed_mid_call_is_not_blamed_on_a_rank(tmp_path):
     assert info is not None and int(info["pid"]) != server
 
 
-# ---------------------------------------------------------------- item 3: a full disk
+# ---------------------------------------------------------------- a full disk
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
     """A 2 MiB tmpfs, the caller's temp dir (so the run directory is on it). Where mounting
@@ -79,7 +79,7 @@ def small_disk(tmp_path, monkeypatch):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_item3_result_too_big_for_the_disk_says_so(small_disk):
+def test_result_too_big_for_the_disk_says_so(small_disk):
     fn = gangrun.distributed(processes=2, timeout=60)(returns_bytes)
     with pytest.raises(DistributedError) as caught:
         fn.distributed(8 << 20)
@@ -94,7 +94,7 @@ def test_item3_result_too_big_for_the_disk_says_so(small_disk):
     assert err.rank in (0, 1)
 
 
-def test_item3_payload_too_big_for_the_disk_is_a_launch_error(small_disk):
+def test_payload_too_big_for_the_disk_is_a_launch_error(small_disk):
     fn = gangrun.distributed(processes=2, timeout=60)(quick)
     with pytest.raises(LaunchError) as caught:
         fn.distributed(b"p" * (4 << 20))
@@ -107,7 +107,7 @@ def test_item3_payload_too_big_for_the_disk_is_a_launch_error(small_disk):
     assert not os.listdir(small_disk)
 
 
-def test_item3_no_room_for_the_error_record_still_names_the_full_disk(small_disk):
+def test_no_room_for_the_error_record_still_names_the_full_disk(small_disk):
     fn = gangrun.distributed(processes=2, timeout=60, output="none")(fills_then_raises)
     with pytest.raises(DistributedError) as caught:
         fn.distributed()

@@ -1,4 +1,6 @@
-"""Launcher reliability items of issue 12 (1, 3, 7, 10, 14), each failing on the old main."""
+"""The launcher's reliability: a call with another start-up environment next to a running
+one, helpers that outlive their rank, native output, oversized environment values, a caller
+that forked and then died."""
 
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ def _sleep_then_hash(path: str, seconds: float) -> int:
 
 
 def test_other_startup_env_does_not_kill_a_running_call(tmp_path):
-    """Item 1: call B with PYTHONHASHSEED=0 starts while call A runs on the fork server;
-    on the old main B restarted the server and A died as 'killed by SIGKILL'."""
+    """Call B with PYTHONHASHSEED=0 starts while call A runs on the fork server: B must not
+    restart A's server (A would die as 'killed by SIGKILL')."""
     opts = dict(processes=2, start_method="forkserver", timeout=120)
     fn = distributed(**opts)(_sleep_then_hash)
     a = fn.submit(str(tmp_path / "a"), 3.0)
@@ -77,7 +79,7 @@ def _start_helper_and(pid_path: str, end: str) -> str:
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("end", ["return", "raise"])
 def test_detached_helper_does_not_outlive_the_call(tmp_path, method, end):
-    """Item 10: a helper in its own session with its own env outlived a normal call."""
+    """A helper in its own session with its own env does not outlive a normal call."""
     fn = distributed(processes=2, start_method=method, timeout=60)(_start_helper_and)
     path = str(tmp_path / "helper")
     if end == "return":
@@ -90,7 +92,7 @@ def test_detached_helper_does_not_outlive_the_call(tmp_path, method, end):
 
 
 def test_helper_of_a_killed_forkserver_rank_dies_too(tmp_path):
-    """Item 10, fork server: the server is the subreaper of a SIGKILLed rank's orphans."""
+    """Fork server: the server is the subreaper of a SIGKILLed rank's orphans."""
     from gangrun import DistributedError
 
     fn = distributed(processes=2, start_method="forkserver", timeout=60)(_start_helper_and)
@@ -113,8 +115,8 @@ def _printf_native(n: int) -> int:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_native_printf_arrives(capfd, monkeypatch, method):
-    """Item 7: C-level printf from a fork-server rank was lost (full C stdio buffer that
-    os._exit never flushed), unless the server happened to start with PYTHONUNBUFFERED."""
+    """C-level printf from a fork-server rank arrives (a full C stdio buffer that os._exit
+    never flushed would lose it), whether or not the server started with PYTHONUNBUFFERED."""
     from gangrun.launch import forkserver
 
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
@@ -130,7 +132,7 @@ def test_native_printf_arrives(capfd, monkeypatch, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_huge_env_value_is_a_launch_error(method, tmp_path):
-    """Item 14: a 1 MiB variable raised a raw OSError E2BIG with spawn."""
+    """A 1 MiB variable is a LaunchError, not a raw OSError E2BIG with spawn."""
     fn = distributed(processes=2, start_method=method, timeout=60)(os.getpid)
     with pytest.raises(LaunchError) as info:
         fn.options(env={"GANGRUN_TEST_BIG": "x" * (1 << 20)}).distributed()
@@ -163,8 +165,8 @@ time.sleep(300)
 
 @pytest.mark.parametrize("method", METHODS)
 def test_ranks_die_with_a_caller_that_forked(script, tmp_path, method):
-    """Item 3: the caller forks, then is SIGKILLed: the forked child held the liveness pipe
-    (and the fork-server channel), so the ranks lived on as long as it did."""
+    """The caller forks, then is SIGKILLed: the forked child must not hold the liveness pipe
+    (and the fork-server channel), else the ranks would live on as long as it does."""
     path = str(tmp_path / "pid")
     proc = script(CALLER_FORKS, path, method)
     child = 0

@@ -1,11 +1,11 @@
-"""Issue 28, items 6 and 7: one writer per checkpoint location, one call per MLflow run.
+"""One writer per checkpoint location, one call per MLflow run.
 
 A second live call given a running call's ``checkpoint_dir`` is refused before any rank
 starts, naming the holder; a holder that died is taken over; two ``Checkpointer``s on one
 location in one function are an error when the second is made; two processes resuming one
 ``run_id=`` at the same moment: one resumes, the other gets a ``LaunchError`` (never both,
-never a rank failure); ``gangrun ps`` shows the location a call holds. Each test failed on
-64388f4 (no lock at all; the run's lease was check-then-set)."""
+never a rank failure); ``gangrun ps`` shows the location a call holds. Without a lock, or with
+a check-then-set lease on the run, each test fails."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _fn(**opts):
     return gangrun.distributed(processes=1, timeout=120, output="none", **opts)
 
 
-# ---------------------------------------------------------------- item 6: one writer per location
+# ---------------------------------------------------------------- one writer per location
 def test_a_second_call_on_a_running_calls_checkpoint_dir_is_refused(tmp_path):
     """Refused while the first call runs its second attempt: a restart keeps the location."""
     where, gate = str(tmp_path / "ckpt"), str(tmp_path / "gate")
@@ -129,7 +129,7 @@ def test_two_checkpointers_on_one_location_in_one_function_is_an_error_when_made
     assert _fn()(writer_funcs.one_after_another).distributed(where) == [3]
 
 
-# ---------------------------------------------------------------- item 7: one run, one call
+# ---------------------------------------------------------------- one run, one call
 RESUMER = """
 import os, sys, time
 sys.path.insert(0, {here!r})

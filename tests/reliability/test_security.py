@@ -96,7 +96,7 @@ def test_rendezvous_on_loopback():
 
 
 def test_log_dir_planted_by_another_user_is_refused_end_to_end(tmp_path):
-    """Reliability items 15 and 16 through a real call. Another user is simulated (the suite
+    """A planted log_dir through a real call. Another user is simulated (the suite
     runs as root): a directory owned by uid 65534, reached through a symlink planted where the
     caller's ``log_dir`` would be created. The call fails before any rank starts, nothing is
     written into the other user's directory, and no run directory is left behind."""
@@ -122,7 +122,7 @@ def test_log_dir_planted_by_another_user_is_refused_end_to_end(tmp_path):
 
 
 def test_created_log_dir_is_private(tmp_path):
-    """Item 16: a ``log_dir`` gangrun creates (and the per-call directory in it) is 0700
+    """A ``log_dir`` gangrun creates (and the per-call directory in it) is 0700
     whatever the umask."""
     old = os.umask(0o022)
     try:

@@ -1,9 +1,8 @@
-"""Issue 24, reliability items 1, 2 and 5: tracking outages against a real ``mlflow server`` on
-loopback (killed mid-call, or never started), and a run resumed while its call still runs.
-Each failed on the main branch before the fix (item 1: the call sat in MLflow's retries for
-minutes after its ranks ended, and the ranks' ``mlflow.log_metric`` blocked and then raised;
-item 2: ``submit()`` spent over a minute in ``create_run``'s retries; item 5: the second call
-was accepted and ended the run under the first)."""
+"""Tracking outages against a real ``mlflow server`` on loopback (killed mid-call, or never
+started), and a run resumed while its call still runs. A call must not sit in MLflow's
+retries for minutes after its ranks ended, nor the ranks' ``mlflow.log_metric`` block and then
+raise; ``submit()`` must not spend a minute in ``create_run``'s retries; a second call
+resuming a run in use must not be accepted (it would end the run under the first)."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def _wait_for(paths, timeout: float = 90.0, proc=None) -> None:
         time.sleep(0.05)
 
 
-def test_item2_server_not_running_at_start_runs_untracked_at_once(monkeypatch, capsys):
+def test_server_not_running_at_start_runs_untracked_at_once(monkeypatch, capsys):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -77,7 +76,7 @@ def test_item2_server_not_running_at_start_runs_untracked_at_once(monkeypatch, c
     assert handle.mlflow_run_id is None
 
 
-def test_item1_finish_requests_are_bounded_when_the_server_hangs(server, tmp_path, capsys):
+def test_finish_requests_are_bounded_when_the_server_hangs(server, tmp_path, capsys):
     """A server that accepts but never answers (SIGSTOPped): the finishing requests are
     given up after GANGRUN_TRACKING_TIMEOUT, with the same one-line note."""
     fn = gangrun.distributed(processes=2, timeout=90)(quick)
@@ -115,10 +114,9 @@ print("RESULT " + json.dumps({"mlflow_run_id": h.mlflow_run_id, "records": recor
 """
 
 
-def test_item31_credentials_in_the_uri_are_used_and_never_shown(live_server, tmp_path):
-    """Issue 31 item 3. Before: the probe took ``alice:PASSWORD@127.0.0.1`` for the host, so
-    the call ran untracked, and the note printed the password. Now the server is probed with
-    the credentials as HTTP basic authentication (a server without auth accepts any), the call
+def test_credentials_in_the_uri_are_used_and_never_shown(live_server, tmp_path):
+    """The probe must not take ``alice:PASSWORD@127.0.0.1`` for the host (the call would run
+    untracked, its note printing the password): the server is probed with the credentials as HTTP basic authentication (a server without auth accepts any), the call
     is tracked, and no output, DEBUG narration, rank log or ``call.json`` holds the password."""
     assert live_server.alive()
     secret = "Pa55-w0rd-never-shown"
@@ -173,8 +171,8 @@ print("RESULT " + json.dumps({"mlflow_run_id": h.mlflow_run_id}))
 
 
 @pytest.mark.parametrize("given", ["in the URI", "in MLflow's variables"])
-def test_item31_a_server_behind_basic_auth_tracks_the_call(live_server, tmp_path, given):
-    """Issue 31 item 3, against a server that requires the credentials (the real server
+def test_a_server_behind_basic_auth_tracks_the_call(live_server, tmp_path, given):
+    """Credentials, against a server that requires the credentials (the real server
     behind a real HTTP proxy that answers 401 without them): the call is tracked, every
     request (gangrun's probe, the caller's MLflow client, the ranks' metrics) carries them,
     given in the URI or in ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, and no output, DEBUG
@@ -215,7 +213,7 @@ def test_item31_a_server_behind_basic_auth_tracks_the_call(live_server, tmp_path
     assert {"cred0", "cred1"} <= set(run.data.metrics)
 
 
-def test_item1_server_killed_mid_call_results_come_back(server, tmp_path, capsys):
+def test_server_killed_mid_call_results_come_back(server, tmp_path, capsys):
     flags = tmp_path / "flags"
     flags.mkdir()
     fn = gangrun.distributed(processes=2, timeout=180)(logs_through_an_outage)
@@ -240,8 +238,8 @@ def test_item1_server_killed_mid_call_results_come_back(server, tmp_path, capsys
     assert_no_survivors()
 
 
-# ---------------------------------------------------------------- item 5: one run, one call
-def test_item5_resuming_a_run_in_use_is_refused_before_any_rank_starts(tmp_path, capsys):
+# ---------------------------------------------------------------- one run, one call
+def test_resuming_a_run_in_use_is_refused_before_any_rank_starts(tmp_path, capsys):
     flag = tmp_path / "go"
     fn = gangrun.distributed(processes=2, timeout=120)(waits_for)
     first = fn.submit(str(flag))
@@ -292,7 +290,7 @@ def _another_caller(script, tmp_path, flag, then: str):
     return proc, ready.read_text()
 
 
-def test_item5_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
+def test_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
     """The first caller dies (a kernel SIGKILLed): nobody removed its lease; resuming works."""
     flag = tmp_path / "never"
     proc, run_id = _another_caller(script, tmp_path, flag, "time.sleep(120)")
@@ -308,7 +306,7 @@ def test_item5_a_run_whose_caller_was_sigkilled_resumes(tmp_path, script):
     assert client.get_run(run_id).info.status == "FINISHED"
 
 
-def test_item5_a_live_call_in_another_process_is_named(tmp_path, script):
+def test_a_live_call_in_another_process_is_named(tmp_path, script):
     flag = tmp_path / "go"
     proc, run_id = _another_caller(script, tmp_path, flag, "print(h.result(timeout=100))")
     try:

@@ -14,7 +14,7 @@ can raise), ``sigkill``, ``sigsegv``, ``hang``; and for caller-side faults (``in
 ``cancel``, ``caller_kill``, ``caller_forks``) no rank fails: every rank does its work and
 then waits.
 
-Outage kinds (issue 24): ``tracking_killed`` (the call's MLflow tracking server is SIGKILLed
+Outage kinds: ``tracking_killed`` (the call's MLflow tracking server is SIGKILLed
 while the ranks log metrics: they keep training, the results come back at once) and
 ``disk_full`` (the run directory is on a small tmpfs: the victim's result does not fit
 (point ``result``), or it fills the disk and raises (``record``: no room for its error

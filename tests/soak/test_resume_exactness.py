@@ -74,7 +74,7 @@ def _ev(kind: str, step: int, rank: int = 0, settle: bool = True) -> Event:
 
 
 COVERING = {
-    # 2 workers, restored at an odd batch of epoch 1 (issue 28, item 1)
+    # 2 workers, restored at an odd batch of epoch 1 (the next batch is the other worker's)
     "volume-w2-nw2-rankkill-odd": Config("volume", 2, True, 2, (_ev("rank_kill", 10, 1),), every=3),
     # the table's position with 3 workers, the state holding the dataset; the stop saves
     # step 9 (an odd batch of epoch 1); MLflow on: resumed by the run_id= resume line

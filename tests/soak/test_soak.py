@@ -570,7 +570,7 @@ def _run_outage(plan: dict, outages: Outages, read_out) -> str | None:
                     time.sleep(0.02)
                 server.kill()
                 open(os.path.join(plan["flags"], "killed"), "w").close()
-                got = handle.result(timeout=60)  # minutes in MLflow's retries before the fix
+                got = handle.result(timeout=60)  # bounded: not minutes in MLflow's retries
             except BaseException as exc:
                 return f"tracking server killed mid-call: {type(exc).__name__}: {exc}"
             finally:

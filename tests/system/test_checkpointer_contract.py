@@ -1,5 +1,4 @@
-"""What the Checkpointer promises a training written as users write it (issue 28, items 2-5
-and 10): everything in the state mapping is saved as it is at save time, ranks never share a
+"""What the Checkpointer promises a training written as users write it: everything in the state mapping is saved as it is at save time, ranks never share a
 state without a process group, a loop left early loses no metric, every rank may log the
 same metrics and each step is in the run once, and bad arguments are named when it is made.
 """

@@ -135,8 +135,8 @@ sys.exit(subprocess.call([sys.executable, "-m", "pytest", *sys.argv[1:]]))
 
 
 def test_interrupt_tests_pass_in_a_session_started_with_sigint_ignored():
-    """Issue 31 item 10: under an ignored SIGINT the interrupt tests failed after their
-    timeouts (Python keeps an inherited SIG_IGN); the conftest restores the handler."""
+    """Under an inherited ignored SIGINT (Python keeps an inherited SIG_IGN) the interrupt
+    tests would fail after their timeouts; the conftest restores the handler."""
     root = Path(__file__).resolve().parents[2]
     inner = run_python(
         IGNORING_SIGINT,

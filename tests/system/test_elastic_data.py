@@ -1,4 +1,4 @@
-"""The rest of an epoch continued on another number of ranks and workers (issue 29, item 1).
+"""The rest of an epoch continued on another number of ranks and workers.
 
 A world of ``W`` ranks reads part of an epoch through each rank's loader and saves every
 rank's state; a world of ``M`` ranks loads the merged states (what `gangrun.Checkpointer`

@@ -1,4 +1,4 @@
-"""What a new user does first (issue 24, "what a new user tripped over"): the README's plain
+"""What a new user does first: the README's plain
 call, a failing script on the command line, its MLflow run's source, a first call in a kernel.
 Small and real: gloo process groups, the ``gangrun`` command, a sqlite MLflow store, a kernel."""
 
@@ -15,7 +15,7 @@ from conftest import assert_no_survivors, run_bounded
 
 pytestmark = pytest.mark.slow
 
-# The README's body, plain-called twice and then distributed (item 6).
+# The README's body, plain-called twice and then distributed.
 PLAIN_TWICE = """
 import json, os
 from gangrun import distributed
@@ -76,7 +76,7 @@ def test_cli_failure_message_has_no_gap_and_names_kept_log_files(tmp_path):
     (tmp_path / "die.py").write_text(SILENT_DEATH)
     code, _, err = _gangrun(tmp_path, "run", "--processes", "2", "--no-mlflow", "die.py")
     assert code == 128 + 9, err
-    assert "\n\n\n" not in err, err  # items 9 and 10
+    assert "\n\n\n" not in err, err  # no gaps in the failure message
     assert "err.logs" not in err
     line = err.split("Full logs: ", 1)[1]
     path = line.split(" (rank 1)")[0]
@@ -110,9 +110,9 @@ def test_cli_run_source_is_the_users_script_not_gangrun(tmp_path):
     assert "mlflow.source.git.commit" not in tags  # not gangrun's own checkout's
 
 
-# Item 18: a first call a few seconds after decorating paid for the caller-side imports a call
-# needs (the launcher, the output pump, the panel: 20 ms of 50). The background prewarm now
-# imports them too; the figure is in bench/bench_notebook.py (docs/benchmarks.md).
+# A first call a few seconds after decorating pays for no caller-side import a call needs
+# (the launcher, the output pump, the panel: 20 ms of 50): the background prewarm imports
+# them; the figure is in bench/bench_notebook.py (docs/benchmarks.md).
 FIRST_CALL = """\
 import sys, time
 from gangrun import distributed

@@ -340,7 +340,7 @@ def test_spawner_choice(monkeypatch):
     assert isinstance(chosen, ForkServerSpawner)
     chosen.release(0.0)
     # GANGRUN_START_METHOD is read once, as the option's default; the launcher does not read
-    # it again, so a spec (an option) of "auto" stays "auto" (issue 23 item 6)
+    # it again, so a spec (an option) of "auto" stays "auto"
     monkeypatch.setenv("GANGRUN_START_METHOD", "spawn")
     spec.start_method = resolve({}).start_method  # what a call's options resolve to
     assert isinstance(choose_spawner(spec), SpawnSpawner)
@@ -351,8 +351,8 @@ def test_spawner_choice(monkeypatch):
 
 
 def test_a_failed_start_is_retried_after_its_back_off(monkeypatch, capfd):
-    """Issue 23 item 6: one failed fork-server start used to send every later ``auto`` call
-    of the process to fresh interpreters for good. A real boot failure, then a server that
+    """One failed fork-server start does not send every later ``auto`` call of the process
+    to fresh interpreters for good. A real boot failure, then a server that
     can start: calls within the back-off spawn (no new attempt), the first call after it
     uses the fork server again."""
     forkserver.discard_server()

@@ -1,8 +1,8 @@
 """`RunHandle` is a `concurrent.futures.Future` of real 2-rank calls: `wait`, `as_completed`,
 `exception()`, `add_done_callback()`, `running()`, `cancelled()`, `cancel(reason=)`; and the
-future half keeps no handle (nor its run directory) alive (issue 23 item 7). ``cancel()``
-returns at once, as ``Future.cancel()`` does, while the ranks are torn down (issue 30 item 5;
-the same on fakes, and the check that no private field of Future is used:
+future half keeps no handle (nor its run directory) alive. ``cancel()``
+returns at once, as ``Future.cancel()`` does, while the ranks are torn down (the same on
+fakes, and the check that no private field of Future is used:
 tests/unit/test_handle_future.py)."""
 
 from __future__ import annotations

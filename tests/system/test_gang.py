@@ -157,7 +157,7 @@ def test_interrupt_in_a_blocked_collective_returns_within_3s(g):
 
 
 def test_timeout_per_execution():
-    # durations as text, as GANGRUN_TIMEOUT takes them (issue 31 item 13: "1s" raised)
+    # durations as text, as GANGRUN_TIMEOUT takes them ("1s")
     with gangrun.Gang(processes=2, timeout="1s", start_timeout="2m") as g:
         assert g.timeout == 1.0 and g.start_timeout == 120.0
         g.execute("import time\nx = 5")

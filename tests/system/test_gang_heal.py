@@ -1,4 +1,4 @@
-"""Self-healing gangs and the hang guard of executions, on this node (issue 22).
+"""Self-healing gangs and the hang guard of executions, on this node.
 
 The same code heals a gang on a Ray cluster: tests/system/test_ray_cluster.py.
 """

@@ -2,8 +2,8 @@
 batches the uninterrupted loader would have, in the same order, into the next epoch too.
 
 With workers, a DataLoader hands batches out round-robin starting each pass at worker 0: a
-pass resumed where the next batch was another worker's must still start there (issue 28,
-item 1: with 2 workers a checkpoint at an odd batch swapped the next two batches).
+pass resumed where the next batch was another worker's must still start there (with 2
+workers, a checkpoint at an odd batch must not swap the next two batches).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14, in real kernels driven through jupyter_client (every iopub message is kept with
+"""The notebook experience, in real kernels driven through jupyter_client (every iopub message is kept with
 the request it answers): output in the launching cell, the live panel, the cell's source in
 rank tracebacks, mistakes caught before launch."""
 

@@ -1,4 +1,4 @@
-"""Issue 20 in real Jupyter kernels: the chart grid (own axes per metric, one mean line with
+"""Watching a run in real Jupyter kernels: the chart grid (own axes per metric, one mean line with
 a min-max band for the ranks' values), progress/ETA, a slow and a silent rank in the panel,
 and ``gangrun ps / stacks / stop`` from another process while the kernel is busy."""
 

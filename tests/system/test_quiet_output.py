@@ -1,4 +1,4 @@
-"""Issue 31 items 16 and 17, with real ranks: what the output shows around a failure, in a
+"""Quiet output, with real ranks: what the output shows around a failure, in a
 stack dump, after Ctrl-C, and when two calls stream to the same place at once."""
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ def test_caller_killed_leaves_nothing(cluster, tmp_path, script):
     caller.send_signal(signal.SIGKILL)  # the kernel dies: Ray drops its actors, ranks follow
     caller.communicate(timeout=30)
     assert_no_survivors(caller.pid, wait=30)
-    # Item 17 (issue 12): no actor directory (with its payload.pkl) is left on the nodes.
+    # No actor directory (with its payload.pkl) is left on the nodes.
     deadline = time.monotonic() + 30
     while _actor_dirs() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -260,7 +260,7 @@ def _actor_dirs() -> list[str]:
 
 
 def test_next_call_reaps_leftovers_on_its_nodes(cluster, tmp_path):
-    """Item 17: a directory left by an actor that is gone is removed by the next call that
+    """A directory left by an actor that is gone is removed by the next call that
     places a rank on that node (simulated: an actor identity that names no live process)."""
     import tempfile
 

@@ -1,4 +1,4 @@
-"""The caller's side of a real two-raylet cluster (issue 31, items 7-9): which node a failure
+"""The caller's side of a real two-raylet cluster: which node a failure
 happened on, a Ray Client caller's death, and a caller the nodes cannot reach.
 
 See :mod:`raycluster`: the head shares this process's filesystem view, the second raylet runs
@@ -74,11 +74,11 @@ def _head_node() -> str:
     return str(ray.get_runtime_context().get_node_id())  # this driver runs on the head
 
 
-# ------------------------------------------------------------------ item 7: which node
+# ------------------------------------------------------------------ which node
 def test_cell_error_on_another_node_names_the_node(cluster, project):
-    """Issue 31 item 7: an exception in a cell on a rank of the other raylet said "failed on
-    rank 1 (of 2)" but not where; now the message, ``err.failures`` and the rank's
-    `RankFailure.node` name the node (a rank on the caller's node has none)."""
+    """An exception in a cell on a rank of the other raylet says where, not only "failed on
+    rank 1 (of 2)": the message, ``err.failures`` and the rank's `RankFailure.node` name the
+    node (a rank on the caller's node has none)."""
     g = _gang(cluster)
     try:
         nodes = g.execute("import os\nos.environ['GANGRUN_RAY_NODE_ID']")
@@ -116,9 +116,9 @@ def raises_off(head: str) -> str:
 def test_distributed_error_on_another_node_that_sees_the_files_names_it(
     cluster, tmp_path, monkeypatch
 ):
-    """Item 7, ``.distributed()``: a rank on another node that *does* see the caller's
-    directory (here: a directory the second raylet does not hide, as on shared storage) was
-    not named; its error now says where it ran."""
+    """``.distributed()``: a rank on another node that *does* see the caller's directory
+    (here: a directory the second raylet does not hide, as on shared storage) is named too:
+    its error says where it ran."""
     monkeypatch.chdir(tmp_path)
     fn = distributed(
         processes=2,
@@ -138,7 +138,7 @@ def test_distributed_error_on_another_node_that_sees_the_files_names_it(
     assert "does not see this machine's files" not in str(err)  # it does see them
 
 
-# ---------------------------------------------------- item 8: a Ray Client caller dies
+# ---------------------------------------------------- a Ray Client caller dies
 # Ray's client server starts a server process per client, and that start can crash (a gRPC
 # segfault in the proxy's fork, "skipping fork() handlers": seen on 1 cluster in 4 here): the
 # callers connect first, retrying, and the gang then uses that connection.
@@ -176,9 +176,9 @@ time.sleep(300)
 
 
 def test_ray_client_caller_killed_leaves_nothing_within_seconds(cluster, tmp_path):
-    """Item 8: a ``ray://`` caller (in its own mount namespace: it shares no file with the
-    cluster) SIGKILLed left its ranks and actors alive ~31 s (Ray Client's reconnect grace
-    keeps its driver on the head); the actors now end them within a few seconds."""
+    """A ``ray://`` caller (in its own mount namespace: it shares no file with the cluster)
+    SIGKILLed: Ray Client's reconnect grace keeps its driver on the head ~31 s, but the
+    actors end its ranks and themselves within a few seconds."""
     from conftest import run_processes
 
     path = tmp_path / "caller.py"
@@ -214,7 +214,7 @@ def test_ray_client_caller_killed_leaves_nothing_within_seconds(cluster, tmp_pat
 
 def test_ray_client_caller_works_and_errors_name_the_node(cluster, tmp_path):
     """A ``ray://`` caller is on no node of the cluster: every rank is on another node, and
-    its cell errors say which (item 7); its gang closes leaving no actor."""
+    its cell errors say which; its gang closes leaving no actor."""
     code = CONNECT + (
         "import os, gangrun\n"
         "connect(sys.argv[1])\n"
@@ -238,10 +238,10 @@ def test_ray_client_caller_works_and_errors_name_the_node(cluster, tmp_path):
     assert not _wait_no_actors(cluster)
 
 
-# ----------------------------------------------- item 9: a caller the nodes cannot reach
+# ----------------------------------------------- a caller the nodes cannot reach
 def test_gang_whose_caller_the_nodes_cannot_reach_says_so(cluster, project, monkeypatch):
-    """Item 9: the ranks connect back to the caller; one they cannot reach (a laptop behind
-    NAT) made ``Gang(...)`` wait out ``start_timeout``. Now each rank's connection is
+    """The ranks connect back to the caller; one they cannot reach (a laptop behind NAT)
+    does not make ``Gang(...)`` wait out ``start_timeout``: each rank's connection is
     answered by the caller or given up within seconds, and ``Gang(...)`` says what to do."""
     monkeypatch.setenv("GANGRUN_GANG_HOST", "198.51.100.7")  # TEST-NET-2: not this machine
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
 See :mod:`raycluster`: the head shares this process's filesystem view, the second raylet runs
 in its own mount namespace with the project's parent directory hidden under an empty tmpfs.
-Environment synchronisation (issue 22) is what makes the project's modules and data files
+Environment synchronisation is what makes the project's modules and data files
 reach the second node; the errors name the node and the fix when something did not travel.
 """
 

@@ -1,4 +1,4 @@
-"""``min_ranks`` on a real two-raylet Ray cluster (issue 29, item 6): a node is lost mid-run
+"""``min_ranks`` on a real two-raylet Ray cluster: a node is lost mid-run
 and the call restarts on the ranks the cluster can still place, the state resharded.
 
 The cluster (`raycluster.TwoRaylets`, one CPU each, the second raylet in its own mount

@@ -103,8 +103,8 @@ def test_resume_after_restart_through_checkpoint(s3, tmp_path):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_corrupt_page_is_named_in_the_callers_error(tmp_path, workers):
     """A data page overwritten in the middle (the footer intact) fails the call with an error
-    naming the file, the row group and the rank (issue 31 item 5: "Unexpected end of stream"
-    or "Caught OSError in DataLoader worker", naming nothing). Direct iteration, the scanner
+    naming the file, the row group and the rank (not only "Unexpected end of stream" or
+    "Caught OSError in DataLoader worker", naming nothing). Direct iteration, the scanner
     path, the hand-over and the cache fills: tests/unit/test_read_errors.py."""
     source = str(tmp_path / "pq")
     tw.write_parquet(source)

@@ -1,4 +1,4 @@
-"""MLflow run per call, against a real sqlite store (SPEC section 3)."""
+"""MLflow run per call, against a real sqlite store."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_cancel_marks_the_run_killed(store):
 
 @pytest.mark.slow
 def test_observers_given_keep_the_mlflow_run(store):
-    """Observers handed to a call are added to the built-in ones (issue 23): the MLflow run is
+    """Observers handed to a call are added to the built-in ones: the MLflow run is
     still created, reached by both real ranks, and ended FINISHED with their logs."""
     import io
 

@@ -1,4 +1,4 @@
-"""MLflow options against a real sqlite store and a real ``mlflow server`` (SPEC section 3):
+"""MLflow options against a real sqlite store and a real ``mlflow server``:
 experiment/run names and tags, resuming a run, parameter names, runs opened in ranks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Watching a running call (issue 20), with real ranks: stacks on demand, progress and slow
+"""Watching a running call, with real ranks: stacks on demand, progress and slow
 ranks from the step reports, the final values on the MLflow run, the DEBUG narration, and
 ``gangrun ps / logs / stacks / stop`` from another process against a call made by a script
 (``gangrun run``) -- including another user's attempt, which is refused."""
@@ -247,9 +247,9 @@ for step in range(1, 100000):
 
 
 def test_a_blank_or_short_run_id_stops_nothing_and_stacks_honours_its_timeout(tmp_path):
-    """Issue 31 items 1-2. Before: ``gangrun stop ""`` stopped this call (an ``mlflow=False``
-    call's MLflow run id is empty, and so "matched"), and ``stacks --timeout 1`` waited the
-    caller's own 5 s for a rank that does not answer."""
+    """``gangrun stop ""`` does not stop this call (an ``mlflow=False`` call's MLflow run id
+    is empty, and must not match), and ``stacks --timeout 1`` does not wait the caller's own
+    5 s for a rank that does not answer."""
     (tmp_path / "deaf.py").write_text(textwrap.dedent(DEAF_SCRIPT))
     run = subprocess.Popen(
         [sys.executable, "-m", "gangrun", "run", "--processes", "2", "--no-mlflow", "deaf.py"],
@@ -296,8 +296,8 @@ for step in range(1, 100000):
 
 
 def test_a_function_name_names_its_one_running_call(tmp_path):
-    """Issue 31 item 15: ``gangrun ps`` shows a FUNCTION column but only run ids were taken.
-    Two running calls of ``tick.py`` and one of ``tock.py``: ``tock`` names its call for
+    """``gangrun ps`` shows a FUNCTION column, and a function's name is taken where a run id
+    is. Two running calls of ``tick.py`` and one of ``tock.py``: ``tock`` names its call for
     ``logs`` and ``stop``; ``tick`` names two (exit 2, both listed); ``ps --function``."""
     (tmp_path / "tick.py").write_text(textwrap.dedent(TICK_SCRIPT))
     (tmp_path / "tock.py").write_text(textwrap.dedent(TICK_SCRIPT))

@@ -1,4 +1,4 @@
-"""Every ``GANGRUN_*`` name is a constant of `gangrun.wire.contract` (issue 23, item 6).
+"""Every ``GANGRUN_*`` name is a constant of `gangrun.wire.contract`.
 
 Each module of ``src/`` is read with ``ast``: a string constant (an f-string's literal parts
 included) that contains ``GANGRUN_`` outside ``contract.py`` fails, naming the file and line.

@@ -1,7 +1,9 @@
 """No dead code in the package: ``vulture --min-confidence 80`` over ``src/gangrun`` finds
 nothing. A name only a protocol uses (IPython's ``_repr_pretty_(p, cycle)``) is prefixed with
-``_``. And no comment or docstring cites a tracker's issue or item number instead of saying
-why: the reason outlives the tracker."""
+``_``. And nothing in ``src/``, ``tests/``, ``docs/`` or the README (comments, docstrings,
+pages) cites a tracker's issue or item number, or a specification kept outside the
+repository, instead of saying why: the reason outlives the tracker, and a reader has only the
+repository."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import sys
 import tokenize
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "gangrun"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src" / "gangrun"
 
 
 def test_vulture_finds_no_dead_code():
@@ -25,8 +28,9 @@ def test_vulture_finds_no_dead_code():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-# "issue 12", "issues 3", "item 7", "items 2, 4"; in comments also "#31" (not "#888" in code)
-_CITATION = re.compile(r"\b[Ii]ssues? #?\d+|\b[Ii]tems? \d+\b")
+# "issue 12", "issues 3", "item 7", "items 2, 4", "SPEC section 5" (the product contract is
+# not in the repository); in comments also "#31" (not "#888" in code)
+_CITATION = re.compile(r"\b[Ii]ssues? #?\d+|\b[Ii]tems? \d+\b|\bSPEC\b")
 _HASH_NUMBER = re.compile(r"(?<![&\w])#\d+\b")
 
 
@@ -45,13 +49,22 @@ def citations(source: str) -> list[tuple[int, str]]:
     return found
 
 
-def test_no_comment_cites_an_issue_number():
+def test_no_comment_docstring_or_page_cites_an_issue_item_or_spec():
+    python = [*sorted(SRC.rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py"))]
     found = [
-        f"{p}:{line}: {text!r}"
-        for p in sorted(SRC.rglob("*.py"))
+        f"{p.relative_to(ROOT)}:{line}: {text!r}"
+        for p in python
+        if p != Path(__file__).resolve()  # the check's own examples
         for line, text in citations(p.read_text())
     ]
-    assert not found, "say why, not which issue:\n" + "\n".join(found)
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found += [
+        f"{p.relative_to(ROOT)}:{n}: {hit.group()!r}"
+        for p in pages
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if (hit := _CITATION.search(line))
+    ]
+    assert not found, "say what and why, not which issue:\n" + "\n".join(found)
 
 
 def test_the_citation_check_reads_comments_and_docstrings():

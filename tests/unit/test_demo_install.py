@@ -1,5 +1,5 @@
-"""`make demo` installs what the demo needs, not the development toolchain (issue 31 item
-11: it installed requirements-dev.txt, 482 packages with Ray, DeepSpeed, moto, MkDocs, ...).
+"""`make demo` installs what the demo needs, not the development toolchain (requirements-dev
+.txt: some 480 packages with Ray, DeepSpeed, moto, MkDocs, ...).
 
 The demo's set is requirements-demo.txt (the torch pin, MLflow, gangrun's own dependencies);
 requirements-dev.txt includes it, so `make test` keeps one torch pin and installs everything."""

@@ -160,8 +160,8 @@ def test_gpu_usage_without_a_driver():
 
 @pytest.mark.parametrize(("local_rank", "count", "want"), [("0", 2, 0), ("3", 4, 3), ("5", 4, 1)])
 def test_device_makes_the_ranks_gpu_current(monkeypatch, local_rank, count, want):
-    """`gangrun.device()` sets the rank's current CUDA device (nccl needs it; issue 31 item
-    12). No GPU here: CUDA's answers are stand-ins, the call to `set_device` is recorded."""
+    """`gangrun.device()` sets the rank's current CUDA device (nccl needs it). No GPU
+    here: CUDA's answers are stand-ins, the call to `set_device` is recorded."""
     torch = pytest.importorskip("torch")
     import gangrun
 
@@ -184,3 +184,21 @@ def test_device_on_cpu_sets_no_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     assert gangrun.device() == torch.device("cpu") and chosen == []
+
+
+def test_accelerators_lists_the_visible_gpus(tmp_path, monkeypatch):
+    # A fake nvidia-smi (hardware we lack) on PATH, no NVML: what a script choosing between GPU
+    # and CPU ranks sees, CUDA_VISIBLE_DEVICES honoured.
+    import gangrun
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA H100, GPU-aaa'\necho '1, NVIDIA H100, GPU-bbb'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(accelerators, "_nvml_query", lambda: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [(d.index, d.uuid) for d in gangrun.accelerators()] == [(0, "GPU-aaa"), (1, "GPU-bbb")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gangrun.accelerators() == [Accelerator(1, "NVIDIA H100", "GPU-bbb")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gangrun.accelerators() == []

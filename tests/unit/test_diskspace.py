@@ -1,4 +1,4 @@
-"""A full disk said as such (issue 24, item 3), without mounting anything: ``/dev/full``
+"""A full disk said as such, without mounting anything: ``/dev/full``
 answers every write with a real ``ENOSPC`` from the kernel. The tests on a mounted tmpfs are
 in tests/reliability/test_disk_and_forkserver.py."""
 

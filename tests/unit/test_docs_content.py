@@ -1,4 +1,4 @@
-"""What the docs tell a new user (issue 24, items 7, 15, 16): extras that exist, links that
+"""What the docs tell a new user: extras that exist, links that
 work on the built site, docstrings mkdocstrings renders, how to open the example notebooks.
 The build itself (``mkdocs build --strict``, where such links are warnings, so errors):
 tests/system/test_packaging.py::test_docs_build_strict."""

@@ -1,4 +1,4 @@
-"""Rough edges a new user met (issue 24, items 9-13): failure messages without gaps, a
+"""What a new user meets first: failure messages without gaps, a
 misspelled flag, ``gangrun info`` on a node without GPUs, log paths for a shell, the MLflow
 source of a script. End to end, with real ranks: tests/system/test_first_steps.py."""
 

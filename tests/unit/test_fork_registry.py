@@ -1,5 +1,5 @@
-"""The fork-server registry keeps one server per start-up signature while calls use it
-(issue 12, item 1), with a fake server factory: no processes."""
+"""The fork-server registry keeps one server per start-up signature while calls use it,
+with a fake server factory: no processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gangrun.launch.forkserver.client import Registry, startup_signature
 
 
 def test_a_call_with_another_signature_keeps_the_running_server():
-    """Item 1: B (PYTHONHASHSEED=0) must not close A's server while A runs."""
+    """B (PYTHONHASHSEED=0) must not close A's server while A runs."""
     reg = Registry(FakeServer)  # type: ignore[arg-type]
     a = reg.lease(startup_signature({}))
     b = reg.lease(startup_signature({"PYTHONHASHSEED": "0"}))
@@ -49,7 +49,7 @@ def test_failed_start_is_remembered():
 
 
 def test_forked_child_forgets_the_servers():
-    """Item 3: a child forked from the caller closes its copies of the server channels."""
+    """A child forked from the caller closes its copies of the server channels."""
     reg = Registry(FakeServer)  # type: ignore[arg-type]
     a = reg.lease(())
     r, w = os.pipe()

@@ -100,9 +100,9 @@ def test_gang_option_errors():
 
 
 def test_a_rank_that_reaches_no_caller_says_so_within_its_deadline():
-    """Issue 31 item 9: something that accepts the connection but is not the gang's caller
-    (a NAT gateway or proxy accepts any connection) held a rank until the caller's
-    start_timeout; the rank now waits for the caller's WELCOME a bounded time."""
+    """Something that accepts the connection but is not the gang's caller (a NAT gateway or
+    proxy accepts any connection) does not hold a rank until the caller's start_timeout:
+    the rank waits for the caller's WELCOME a bounded time."""
     import time
 
     hello = protocol.Hello(b"t" * 32, 0, 1)
@@ -138,7 +138,7 @@ def test_a_rank_that_reaches_no_caller_says_so_within_its_deadline():
 def test_ranks_are_answered_before_the_caller_takes_their_connections():
     """The caller answers a rank's Hello from the moment its listener exists, however long
     the launch takes before it collects the connections: a rank's bounded wait for the
-    answer cannot fail a slow start (issue 31 item 9)."""
+    answer cannot fail a slow start."""
     import time
 
     from gangrun.interactive.channel import Listener, release

@@ -1,7 +1,7 @@
 """`RunHandle` is a `concurrent.futures.Future` completed through Future's public methods only
 (no private field of ``concurrent.futures._base`` is read or written, so a Python release
 cannot change it): the states, `wait` / `as_completed`, the callbacks, and a ``cancel()`` that
-returns at once while the ranks are torn down (issue 30 item 5). The gang is `tests/fakes`'s,
+returns at once while the ranks are torn down. The gang is `tests/fakes`'s,
 under the real `Supervisor`; tests/system/test_futures.py runs the same on real ranks."""
 
 from __future__ import annotations

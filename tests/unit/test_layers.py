@@ -15,7 +15,8 @@ of its role. A package without a rule fails the test.
 
 A module looked up by name in ``sys.modules`` (``sys.modules["gangrun.x"]``,
 ``sys.modules.get("gangrun.x")``) is an import too: reading a higher layer's state that way
-is the same upward edge.
+is the same upward edge. So is a module named in a lazy map (``{"Gang":
+"gangrun.interactive.session"}``, read by a package's ``__getattr__``).
 """
 
 from __future__ import annotations
@@ -137,9 +138,11 @@ def _named(path: Path) -> set[str]:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             if id(node) not in docstrings:
                 found.update(_CODE_IMPORT.findall(node.value))
-        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts:
-            values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            if len(values) == len(node.elts) and all(isinstance(v, str) for v in values):
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+            # a sequence of module names, or a lazy map's values (name -> its module)
+            elts = node.values if isinstance(node, ast.Dict) else node.elts
+            values = [e.value for e in elts if isinstance(e, ast.Constant)]
+            if elts and len(values) == len(elts) and all(isinstance(v, str) for v in values):
                 found.update(v for v in values if _MODULE_NAME.fullmatch(v))
     return found
 
@@ -284,6 +287,7 @@ def test_the_checker_reads_module_names_in_strings(tmp_path):
         'log = "gangrun.logger.name"\n'
         'running = sys.modules["gangrun.cli.entry"].RUNNING\n'
         'sampler = sys.modules.get("gangrun.data.sampler")\n'
+        '_LAZY = {"Gang": "gangrun.interactive.session", "x": "gangrun.api"}\n'
     )
     assert _named(path) == {
         "gangrun.rank.boot",
@@ -291,4 +295,6 @@ def test_the_checker_reads_module_names_in_strings(tmp_path):
         "gangrun.nope",
         "gangrun.cli.entry",
         "gangrun.data.sampler",
+        "gangrun.interactive.session",
+        "gangrun.api",
     }

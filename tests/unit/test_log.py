@@ -1,5 +1,5 @@
 """gangrun's logger: its warnings reach the user (stderr, or the application's handlers);
-GANGRUN_LOG_LEVEL adds a handler at that level; a call applies it (issue 24, item 17).
+GANGRUN_LOG_LEVEL adds a handler at that level; a call applies it.
 
 Every logger named here is one gangrun really uses: a module of that name exists."""
 

@@ -1,4 +1,4 @@
-"""log_dir safety (reliability items 15 and 16): ``make_private_dir`` and ``open_log``.
+"""log_dir safety: ``make_private_dir`` and ``open_log``.
 
 Another user is simulated by ``os.chown``/``os.lchown`` to uid 65534 (``nobody``): the test
 machine runs as root, which may give files away. Run as an ordinary user these tests would

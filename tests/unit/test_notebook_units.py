@@ -324,7 +324,7 @@ def test_cell_writer_routes_to_the_parent_captured_at_submit():
 
 
 def test_panel_says_a_resume_onto_another_number_of_ranks(tmp_path):
-    # issue 29, item 5: the rank's own report (progress.report_resumed with the saved world)
+    # the rank's own report (progress.report_resumed with the saved world)
     # reaches the panel line: "resumed from step 12 saved by 2 ranks onto 3"
     import subprocess
 

@@ -1,5 +1,5 @@
 """`OptionKwargs` (the typed keywords of ``@distributed`` / ``.options``) matches `Options`:
-the same keys, and each keyword's type is the field's (issue 23 item 7)."""
+the same keys, and each keyword's type is the field's."""
 
 from __future__ import annotations
 

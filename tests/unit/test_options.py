@@ -73,8 +73,8 @@ def test_timeout_none_disables():
     ],
 )
 def test_a_duration_as_text_means_the_same_in_every_channel(text, seconds, monkeypatch):
-    """Issue 31 item 13: ``timeout="10m"`` raised in Python while ``GANGRUN_TIMEOUT=10m`` and
-    ``--timeout 10m`` worked. One parser (`gangrun.durations`) for every channel."""
+    """``timeout="10m"`` works in Python as ``GANGRUN_TIMEOUT=10m`` and ``--timeout 10m``
+    do: one parser (`gangrun.durations`) for every channel."""
     from gangrun import defaults
     from gangrun.cli import entry as cli
     from gangrun.cli.options import options_from_args

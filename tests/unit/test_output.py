@@ -86,10 +86,10 @@ class CountingStream:
 
 
 def test_long_line_without_newline_is_not_redrawn_over_and_over(tmp_path):
-    """Reliability item 6: a rank writing a 20 MiB line without a newline, in pieces with
-    pauses (so the open line is older than the idle flush), once made the pump rewrite the
-    whole line on every read: 1.5 GB to the caller. What reaches the caller must stay within
-    a small factor of the input; the log file keeps exactly the input."""
+    """A rank writing a 20 MiB line without a newline, in pieces with pauses (so the open
+    line is older than the idle flush): a pump rewriting the whole line on every read would
+    send 1.5 GB to the caller. What reaches the caller must stay within a small factor of the
+    input; the log file keeps exactly the input."""
     import threading
     import time
 

@@ -1,4 +1,4 @@
-"""Issue 31 items 16 and 17 in the output pump (pipes, no processes): a peer's death echoed
+"""The output pump's folding (pipes, no processes): a peer's death echoed
 in a traceback is one line, other tracebacks pass unchanged, and calls sharing a place name
 themselves (the end-to-end tests: ``tests/system/test_quiet_output.py``)."""
 

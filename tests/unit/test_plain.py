@@ -1,4 +1,4 @@
-"""A plain call of a decorated function is rank 0 of a world of one (issue 24, item 6);
+"""A plain call of a decorated function is rank 0 of a world of one;
 the process group part, with real gloo, is tests/system/test_first_steps.py."""
 
 from __future__ import annotations

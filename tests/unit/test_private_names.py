@@ -1,4 +1,4 @@
-"""No gangrun module uses another gangrun module's private names (issue 23 item 7).
+"""No gangrun module uses another gangrun module's private names.
 
 Read with ``ast`` over ``src/gangrun``: ``from x import _name`` (``x`` a gangrun module),
 ``mod._name`` (``mod`` bound to a gangrun module by an import), and ``obj._name`` or

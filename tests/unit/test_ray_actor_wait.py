@@ -69,7 +69,7 @@ time.sleep(30)
 
 
 def test_an_actor_whose_caller_stops_beating_ends_within_its_deadline():
-    """Issue 31 item 8: the actor's own watch ends it (and its rank) once the caller's
+    """The actor's own watch ends it (and its rank) once the caller's
     heartbeat stops, however the caller was connected; while it beats, nothing happens."""
     import time
 

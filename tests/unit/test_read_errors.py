@@ -1,6 +1,6 @@
 """Every read error of a table or a volume names the file (for a table, the row group), the
-rank and the DataLoader worker, with the original error chained (issue 31 item 5: a corrupt
-data page failed with "Couldn't deserialize thrift ..." or "Caught OSError in DataLoader
+rank and the DataLoader worker, with the original error chained (a corrupt data page
+must not fail with only "Couldn't deserialize thrift ..." or "Caught OSError in DataLoader
 worker", naming nothing).
 
 Real Parquet files with bytes overwritten in a data page (the footer intact), files removed

@@ -1,6 +1,7 @@
-"""Issue 31 item 3: a tracking URI's password is never shown, and the health probe
-authenticates as MLflow's client would (the end to end test against a real server:
-``tests/reliability/test_tracking_outages.py::test_item31_*``)."""
+"""A tracking URI's password is never shown, and the health probe authenticates as MLflow's
+client would (the end to end tests against a real server: ``tests/reliability/
+test_tracking_outages.py::test_credentials_in_the_uri_are_used_and_never_shown`` and
+``::test_a_server_behind_basic_auth_tracks_the_call``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every setting in `gangrun.Options` (issue 23, item 6): each one a typed field whose
+"""Every setting in `gangrun.Options`: each one a typed field whose
 variable is read once, as its default, when the call's options are resolved; its source
 shown by ``gangrun info``; a failed fork-server start retried after a back-off.
 
@@ -200,9 +200,8 @@ def test_info_shows_every_setting_and_its_source(monkeypatch, capsys):
 
 
 def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, capsys):
-    """Issue 31 item 4: unusable values were listed as in force (source "env") while the
-    defaults were used; now the value in force is the default, the rejected value and why
-    are beside it, and ``info --check`` fails on them."""
+    """An unusable value is not listed as in force: the value in force is the default, the
+    rejected value and why are beside it, and ``info --check`` fails on them."""
     from gangrun.cli.entry import main
     from gangrun.lifecycle import watch
     from gangrun.tracking import bounded
@@ -241,8 +240,8 @@ def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, ca
 
 
 def test_a_process_setting_takes_a_duration_as_every_option_does(monkeypatch, capsys):
-    """Issue 31 item 13: one parser for every duration. ``GANGRUN_SLOW_AFTER=2m`` was
-    rejected (the watch's own parser took seconds only) while ``GANGRUN_TIMEOUT=2m`` worked."""
+    """One parser for every duration: ``GANGRUN_SLOW_AFTER=2m`` is accepted as
+    ``GANGRUN_TIMEOUT=2m`` is (not seconds only)."""
     from gangrun import settings
     from gangrun.cli.entry import main
     from gangrun.lifecycle import watch
@@ -290,7 +289,7 @@ class _Server:
 
 
 def test_a_failed_fork_server_start_is_retried_after_a_back_off():
-    """Issue 23 item 6: one failed start no longer downgrades every later call for good."""
+    """One failed start does not downgrade every later call for good."""
     now = [1000.0]
     broken = [True]
 

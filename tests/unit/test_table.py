@@ -290,9 +290,8 @@ def test_delta_versions_and_added_column(delta, tmp_path):
 
 def test_delta_timestamp_selects_the_version_current_then(tmp_path):
     """A time between two commits selects the older one, as deltalake's own load-as-of does
-    (issue 31 item 6: every time before the newest commit was refused, "first commit is
-    after", because the guard read the newest commit's time); a time before the first commit
-    is still refused."""
+    (a guard reading the newest commit's time would refuse every earlier time, "first
+    commit is after"); a time before the first commit is refused."""
     import time
 
     from deltalake import DeltaTable, write_deltalake

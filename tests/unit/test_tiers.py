@@ -1,6 +1,6 @@
 """The test tiers (tests/tiers.py) hold: every test module is classified, what a module is
 said to need is what its code starts, the smoke tests exist, and `make test-fast` selects no
-module that needs Ray, a kernel, a browser, packaging or the soak (issue 30 item 7)."""
+module that needs Ray, a kernel, a browser, packaging or the soak."""
 
 from __future__ import annotations
 

@@ -177,8 +177,8 @@ def test_find_calls_sees_only_this_users_records_and_resolve(tmp_path):
 
 
 def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    """Issue 31 item 1: an empty id "matched" every call without an MLflow run (its MLflow
-    run id is empty); a prefix is 4+ characters and unique, or exit 2 lists the matches."""
+    """An empty id matches nothing (a call without an MLflow run has an empty run id); a
+    prefix is 4+ characters and unique, or exit 2 lists the matches."""
     from gangrun.cli import entry as cli
     from gangrun.cli.node import Usage
     from gangrun.host.system import process_identity
@@ -210,7 +210,7 @@ def test_a_blank_short_or_ambiguous_run_id_is_a_usage_error(tmp_path, monkeypatc
 
 
 def test_a_function_name_names_its_one_running_call(tmp_path, monkeypatch, capsys):
-    """Issue 31 item 15: ``gangrun logs train`` (the FUNCTION column of ``gangrun ps``) names
+    """``gangrun logs train`` (the FUNCTION column of ``gangrun ps``) names
     the one running call of ``train``; several: exit 2 listing them; ``ps --function``."""
     from gangrun.cli import entry as cli
     from gangrun.cli.node import Usage, function_names

@@ -1,4 +1,4 @@
-"""One writer per checkpoint location (issue 28, item 6): the lock file a call takes in its
+"""One writer per checkpoint location: the lock file a call takes in its
 location (`gangrun.checkpoint.writer`), and the rank's one-manager-per-location registry
 (`gangrun.rank.location`). Real files, real (dead) processes; the calls themselves are in
 tests/reliability/test_one_writer.py."""

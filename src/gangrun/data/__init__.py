@@ -7,7 +7,7 @@
 ...     ds.set_epoch(epoch)
 ...     for batch in loader: ...
 
-What it guarantees (SPEC section 5):
+What it guarantees:
 
 - the files under a local directory, a glob, or any fsspec URL are listed once and sorted, so
   every rank and every DataLoader worker sees the same list;
@@ -45,8 +45,8 @@ torch):
   handed over, naming the file (and row group), the rank and the DataLoader worker;
 - ``dataset``: [`VolumeDataset`][gangrun.data.VolumeDataset];
 - ``loader``: `VolumeLoader`;
-- ``table``: the package of `TableDataset`, batches of a Parquet or Delta Lake table (SPEC
-  section 11): ``table.dataset`` (the dataset), ``table.loader`` (`TableLoader`),
+- ``table``: the package of `TableDataset`, batches of a Parquet or Delta Lake table:
+  ``table.dataset`` (the dataset), ``table.loader`` (`TableLoader`),
   ``table.plan`` (the split arithmetic, pure), ``table.source`` (files, schema, row groups;
   pyarrow), ``table.delta`` (Delta snapshots; deltalake), ``table.convert`` (Arrow to tensors)
   and ``table.handover`` (the DataLoader workers' hand-over of batches). pyarrow and deltalake
@@ -69,7 +69,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .cache import FileCache, default_cache_dir
-    from .cache import parse_size as parse_size
     from .dataset import VolumeDataset
     from .listing import FileEntry
     from .loader import VolumeLoader
@@ -80,19 +79,18 @@ if TYPE_CHECKING:
     from .table.source import TableError
 
 _WHERE = {
-    "VolumeDataset": "dataset",
-    "VolumeLoader": "loader",
-    "FileCache": "cache",
-    "default_cache_dir": "cache",
-    "parse_size": "cache",
-    "FileEntry": "listing",
-    "TableDataset": "table.dataset",
-    "TableLoader": "table.loader",
-    "TableError": "table.source",
-    "DataReadError": "read_errors",
-    "DistributedSampler": "sampler",
-    "per_rank_batch": "sampler",
-    "micro_batches": "sampler",
+    "VolumeDataset": "gangrun.data.dataset",
+    "VolumeLoader": "gangrun.data.loader",
+    "FileCache": "gangrun.data.cache",
+    "default_cache_dir": "gangrun.data.cache",
+    "FileEntry": "gangrun.data.listing",
+    "TableDataset": "gangrun.data.table.dataset",
+    "TableLoader": "gangrun.data.table.loader",
+    "TableError": "gangrun.data.table.source",
+    "DataReadError": "gangrun.data.read_errors",
+    "DistributedSampler": "gangrun.data.sampler",
+    "per_rank_batch": "gangrun.data.sampler",
+    "micro_batches": "gangrun.data.sampler",
 }
 
 __all__ = [
@@ -115,7 +113,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

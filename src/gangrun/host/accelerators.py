@@ -17,6 +17,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Accelerator:
+    """One GPU: its physical ``index``, its ``name`` and its ``uuid`` (empty when unknown)."""
+
     index: int  # physical index (what CUDA_VISIBLE_DEVICES takes)
     name: str  # e.g. "NVIDIA H100 80GB HBM3"
     uuid: str = ""
@@ -122,6 +124,21 @@ def detect() -> list[Accelerator]:
         if devs is not None:
             return _apply_visible(devs, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return _torch_query() or []
+
+
+def accelerators() -> list[Accelerator]:
+    """The GPUs this process may use, honouring ``CUDA_VISIBLE_DEVICES``; empty without any.
+
+    What a script asks before choosing its ranks: every GPU of the node, or CPU ranks on a
+    machine without one. Asks the driver (NVML, then ``nvidia-smi``): CUDA is initialised in
+    the caller only when neither answers and a GPU device node exists.
+
+    >>> fn = train.options(gpus=None) if gangrun.accelerators() else train.options(processes=2)
+
+    Each entry is an `Accelerator`: its physical ``index`` (as ``nvidia-smi`` and
+    ``CUDA_VISIBLE_DEVICES`` number it, and as ``gpus=[...]`` takes it), ``name`` and ``uuid``.
+    """
+    return detect()
 
 
 def select_devices(devices: Sequence[Accelerator], want: int | Sequence[int]) -> list[Accelerator]:
@@ -300,6 +317,7 @@ def backend() -> str:
 
 __all__ = [
     "Accelerator",
+    "accelerators",
     "detect",
     "matches_type",
     "select_devices",

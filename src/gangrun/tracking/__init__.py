@@ -14,10 +14,10 @@ if TYPE_CHECKING:
     from .plan import call_arguments, resolve_tracking_uri, run_link
 
 _CALLER_SIDE = {
-    "Tracker": "caller",
-    "call_arguments": "plan",
-    "resolve_tracking_uri": "plan",
-    "run_link": "plan",
+    "Tracker": "gangrun.tracking.caller",
+    "call_arguments": "gangrun.tracking.plan",
+    "resolve_tracking_uri": "gangrun.tracking.plan",
+    "run_link": "gangrun.tracking.plan",
 }
 
 __all__ = ["Tracker", "call_arguments", "resolve_tracking_uri", "run_link"]
@@ -29,4 +29,4 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(module), name)

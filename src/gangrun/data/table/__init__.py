@@ -1,4 +1,4 @@
-"""`TableDataset` and its parts: batches of a Parquet or Delta Lake table (SPEC section 11).
+"""`TableDataset` and its parts: batches of a Parquet or Delta Lake table.
 
 - ``dataset``: `TableDataset` (the resume API `VolumeDataset` has);
 - ``loader``: `TableLoader`, the DataLoader that keeps the table's workers;
