@@ -192,6 +192,9 @@ def test_misspelled_option_suggests(kwargs, suggestion):
         ("2h", 7200),
         ("1h30m", 5400),
         ("1h0m30s", 3630),
+        ("1h30", 5400),
+        ("1m30", 90),
+        ("2h30.5", 9030),
         (" 2H ", 7200),
         ("none", None),
     ],
@@ -200,7 +203,7 @@ def test_parse_duration(text, seconds):
     assert d.parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["soon", "", "-5", "5d", "h", "1m1h"])
+@pytest.mark.parametrize("text", ["soon", "", "-5", "5d", "h", "1m1h", "90s30", "nan", "1h30x"])
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="not a duration"):
         d.parse_duration(text)
