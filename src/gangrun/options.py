@@ -94,7 +94,8 @@ def _seconds(v: Any, above: float | None = None, least: float | None = None) -> 
     limit)."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
         return False
-    return (above is None or v > above) and (least is None or v >= least)
+    x = float(v)
+    return (above is None or x > above) and (least is None or x >= least)
 
 
 # The options that are durations: name -> (None allowed, 0 means None). Each may be given as
