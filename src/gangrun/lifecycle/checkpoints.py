@@ -136,7 +136,8 @@ def check_resume(opts: Options, run_id: str, tags: dict[str, str]) -> None:
     held = writer.holder(url)  # read only: `prepare` takes it once the run is this call's
     live = None if held is None else held.pop("live")
     if held is not None and live is not False:  # a dead holder is taken over by `prepare`
-        raise LaunchError(writer.in_use_message(url, writer.lock_path(url), held or None, live))
+        rec = None if held.get("unreadable") else held
+        raise LaunchError(writer.in_use_message(url, writer.lock_path(url), rec, live))
     _check_recorded(f"MLflow run {run_id}", url, tags)
 
 
