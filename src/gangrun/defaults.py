@@ -310,6 +310,33 @@ def resolve_with_sources(
     return dataclasses.replace(opts, **groups), sources
 
 
+def name_sources(exc: BaseException, opts: Any, sources: Mapping[str, str]) -> None:
+    """Say, in refusal ``exc`` (its message changed in place), where each option it names
+    with its value came from when that is not an argument of the call: ``min_ranks=1 (from
+    GANGRUN_MIN_RANKS)``, ``(from set_defaults)``. An argument (the decorator's,
+    ``.options()``'s, a flag: `speak_cli` spells it as the flag) is named as it was written."""
+    if not exc.args or not isinstance(exc.args[0], str):
+        return
+    text = exc.args[0]
+    for name, source in sources.items():
+        where = source[len("env ") :] if source.startswith("env ") else source
+        if "." in name or where not in ("set_defaults", env_var(name)):
+            continue
+        value = getattr(opts, name, None)
+        written = {str(value), repr(value)}
+        if isinstance(value, float):
+            written.add(f"{value:g}")  # timeout=600, as messages write seconds
+        for m in re.finditer(
+            rf"(?<![\w.\[]){name}=(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;)]+)", text
+        ):
+            shown = m.group(1).rstrip(".:")
+            if shown in written:  # the refused value, not advice (``pass max_restarts=N``)
+                end = m.start(1) + len(shown)
+                text = f"{text[:end]} (from {where}){text[end:]}"
+                break
+    exc.args = (text, *exc.args[1:])
+
+
 # ------------------------------------------------------------------------- option groups
 def parse_setting(var: str, kind: str, text: str) -> Any:
     """The value of a group field's variable ``var`` (``kind`` from its field's metadata);
@@ -379,6 +406,7 @@ __all__ = [
     "resolve_with_sources",
     "from_env",
     "env_problems",
+    "name_sources",
     "env_var",
     "check_names",
     "parse_value",

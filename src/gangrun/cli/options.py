@@ -143,7 +143,9 @@ def speak_cli(error: BaseException | str) -> str:
             value = value.strip("[]").replace(" ", "")
         return f"{spelled} {'none' if value == 'None' else value}"
 
-    text = re.sub(rf"(?<![\w.\[])({names})=(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;)]+)", flag, text)
+    value = r"(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;)]+(?![^\s,;)]))"
+    # ``min_ranks=1 (from GANGRUN_MIN_RANKS)`` was no flag: left as the variable set it
+    text = re.sub(rf"(?<![\w.\[])({names})={value}(?! \(from )", flag, text)
     return text.replace("(None: no limit)", "(none: no limit)")
 
 
