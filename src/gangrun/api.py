@@ -431,14 +431,21 @@ def submit_wired(
     _log.configure()  # GANGRUN_LOG_LEVEL, once per process
     checks.refuse_nested()  # inside a rank: fail there, start no inner gang
     checks.bind_arguments(fn._fn, args, kwargs)  # a misspelled argument: no rank starts
-    opts = fn._options.validate()
+    opts, sources = _defaults.resolve_with_sources(fn._explicit)
+    opts = opts.validate()
     # planned here (bad settings: LaunchError)
     wired = session.wiring(opts) if wiring is None else wiring
-    run = Supervisor(fn._fn, args, kwargs, opts, **wired)
+    try:
+        run = Supervisor(fn._fn, args, kwargs, opts, **wired)
+    except LaunchError as exc:  # an option refused: say where it came from
+        _defaults.name_sources(exc, opts, sources)
+        raise
     try:
         run.start()
         return RunHandle(run)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, LaunchError):
+            _defaults.name_sources(exc, opts, sources)
         # e.g. Ctrl-C just as the monitor started (start() cleans up its own failures
         # before that point): nothing may keep running without a handle.
         if run.started:

@@ -184,8 +184,12 @@ def _check_one(name: str, value: Any, where: str) -> None:
         raise LaunchError(f"{where}: {exc}") from None
 
 
-def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The option defaults set by ``GANGRUN_<OPTION>`` variables, parsed and checked."""
+def from_env(
+    environ: Mapping[str, str] | None = None, problems: list[str] | None = None
+) -> dict[str, Any]:
+    """The option defaults set by ``GANGRUN_<OPTION>`` variables, parsed and checked: a
+    `LaunchError` naming the first that cannot be used, or, given ``problems``, each one's
+    message appended there (that variable left out)."""
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     for name in _fields():
@@ -194,18 +198,48 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             continue
         raw = env[var]
         try:
-            value = parse_value(name, raw)
-        except ValueError as exc:
-            raise LaunchError(f"{var}={raw!r}: {exc}.") from None
-        if name == "env" and value is None:
-            value = {}
-        _check_one(name, value, f"{var}={raw!r}")
+            try:
+                value = parse_value(name, raw)
+            except ValueError as exc:
+                raise LaunchError(f"{var}={raw!r}: {exc}.") from None
+            if name == "env" and value is None:
+                value = {}
+            _check_one(name, value, f"{var}={raw!r}")
+        except LaunchError as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
+            continue
         out[name] = value
     if out.keys() >= _WORLD and None not in (out["gpus"], out["processes"]):
-        raise LaunchError(
-            f"{env_var('gpus')} and {env_var('processes')} are both set; unset one of them."
-        )
+        both = f"{env_var('gpus')} and {env_var('processes')} are both set; unset one of them."
+        if problems is None:
+            raise LaunchError(both)
+        problems.append(both)
     return out
+
+
+def env_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why each ``GANGRUN_<OPTION>`` variable, and each variable of an option group's
+    setting (``GANGRUN_RAY_STRATEGY``...), that is set cannot be used: every one, not the
+    first alone (`gangrun info --check` names each)."""
+    from .options import GROUPS, Options, settings_of
+
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+    from_env(env, problems)
+    for g in GROUPS:
+        group = getattr(Options().validate(), g)
+        for field, meta in settings_of(group).items():
+            var = meta["env"]
+            if var not in env:
+                continue
+            try:
+                value = parse_setting(var, meta["kind"], env[var])
+                dataclasses.replace(group, **{field: value}).validate()
+            except LaunchError as exc:
+                problems.append(str(exc) if var in str(exc) else f"{var}: {exc}")
+    return problems
 
 
 def set_defaults(**options: Any) -> dict[str, Any]:
@@ -276,6 +310,33 @@ def resolve_with_sources(
     return dataclasses.replace(opts, **groups), sources
 
 
+def name_sources(exc: BaseException, opts: Any, sources: Mapping[str, str]) -> None:
+    """Say, in refusal ``exc`` (its message changed in place), where each option it names
+    with its value came from when that is not an argument of the call: ``min_ranks=1 (from
+    GANGRUN_MIN_RANKS)``, ``(from set_defaults)``. An argument (the decorator's,
+    ``.options()``'s, a flag: `speak_cli` spells it as the flag) is named as it was written."""
+    if not exc.args or not isinstance(exc.args[0], str):
+        return
+    text = exc.args[0]
+    for name, source in sources.items():
+        where = source[len("env ") :] if source.startswith("env ") else source
+        if "." in name or where not in ("set_defaults", env_var(name)):
+            continue
+        value = getattr(opts, name, None)
+        written = {str(value), repr(value)}
+        if isinstance(value, float):
+            written.add(f"{value:g}")  # timeout=600, as messages write seconds
+        for m in re.finditer(
+            rf"(?<![\w.\[]){name}=(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;)]+)", text
+        ):
+            shown = m.group(1).rstrip(".:")
+            if shown in written:  # the refused value, not advice (``pass max_restarts=N``)
+                end = m.start(1) + len(shown)
+                text = f"{text[:end]} (from {where}){text[end:]}"
+                break
+    exc.args = (text, *exc.args[1:])
+
+
 # ------------------------------------------------------------------------- option groups
 def parse_setting(var: str, kind: str, text: str) -> Any:
     """The value of a group field's variable ``var`` (``kind`` from its field's metadata);
@@ -344,6 +405,8 @@ __all__ = [
     "resolve",
     "resolve_with_sources",
     "from_env",
+    "env_problems",
+    "name_sources",
     "env_var",
     "check_names",
     "parse_value",

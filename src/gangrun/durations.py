@@ -1,8 +1,8 @@
 """Durations written as text, one parser for every channel.
 
-``"90"``, ``"1.5"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"`` (seconds) and ``"none"`` mean
-the same in Python (``timeout="10m"``, `gangrun.set_defaults`, ``Gang(...)``, the option
-groups), in ``GANGRUN_<OPTION>`` variables, in the process settings
+``"90"``, ``"1.5"``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1h30m"`` (seconds; ``"1h30"`` is
+``"1h30m"``) and ``"none"`` mean the same in Python (``timeout="10m"``,
+`gangrun.set_defaults`, ``Gang(...)``, the option groups), in ``GANGRUN_<OPTION>`` variables, in the process settings
 (``GANGRUN_SLOW_AFTER=2m``), and on the command line (``--timeout 10m``,
 ``gangrun stacks RUN --timeout 2s``).
 """
@@ -12,23 +12,25 @@ from __future__ import annotations
 import math
 import re
 
-_DURATION = re.compile(
-    r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$"
-)
-FORMS = "seconds (90), or 90s, 15m, 2h, 1h30m"
+_N = r"\d+(?:\.\d*)?"
+_DURATION = re.compile(rf"^(?:(?P<h>{_N})h)?(?:(?P<m>{_N})m)?(?:(?P<s>{_N})s)?(?P<bare>{_N})?$")
+FORMS = "seconds (90), or 90s, 15m, 2h, 1h30m (1h30 is 1h30m, 1m30 is 1m30s)"
 
 
 def parse_duration(text: str) -> float | None:
     """``"90"``, ``"90s"``, ``"1.5"``, ``"15m"``, ``"2h"``, ``"1h30m"`` -> seconds; ``"none"``
-    -> ``None``. Raises ``ValueError`` saying what a duration is for anything else."""
+    -> ``None``. A last number without a unit is in the unit after the one before it, as it
+    is said: ``"1h30"`` is 1 h 30 min, ``"1m30"`` 1 min 30 s (a plain number: seconds).
+    Raises ``ValueError`` saying what a duration is for anything else."""
     t = str(text).strip().lower().replace(" ", "")
     if t in ("none", "inf", "null"):
         return None
     m = _DURATION.match(t)
-    if not t or m is None or not any(m.groupdict().values()):
+    if not t or m is None or not any(m.groupdict().values()) or (m["s"] and m["bare"]):
         raise ValueError(f"{text!r} is not a duration: give {FORMS}, or none")
-    h, mi, s = (float(m.group(k) or 0) for k in ("h", "m", "s"))
-    value = h * 3600 + mi * 60 + s
+    h, mi, s, bare = (float(m.group(k) or 0) for k in ("h", "m", "s", "bare"))
+    # the bare number's unit: minutes after hours alone, else seconds
+    value = h * 3600 + mi * 60 + s + bare * (60 if m["h"] and not m["m"] else 1)
     if math.isinf(value):
         raise ValueError(f"{text!r} is not a duration: too large")
     return value

@@ -5,6 +5,7 @@ Its own module, below `gangrun.api` and `gangrun.defaults` (which both read it).
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -81,8 +82,20 @@ def _seconds_or_none(group: Any, owner: str, name: str) -> None:
                 "(or leave it out for the default)."
             )
         object.__setattr__(group, name, v)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0):
-        raise LaunchError(f"{owner}.{name} must be a positive number of seconds, got {v!r}.")
+    if v is not None and not _seconds(v, above=0):
+        raise LaunchError(
+            f"{owner}.{name} must be a positive number of seconds (finite), got {v!r}."
+        )
+
+
+def _seconds(v: Any, above: float | None = None, least: float | None = None) -> bool:
+    """Whether ``v`` is a finite real number of seconds ``> above`` / ``>= least`` (never a
+    bool, NaN or an infinity: a NaN compares false to every bound and would pass as no
+    limit)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        return False
+    x = float(v)
+    return (above is None or x > above) and (least is None or x >= least)
 
 
 # The options that are durations: name -> (None allowed, 0 means None). Each may be given as
@@ -267,7 +280,7 @@ class Options:
             device indices (``[0, 3]``, as ``nvidia-smi`` numbers them). Default: every GPU.
         processes: CPU ranks (gloo), no GPU needed. Exactly one of ``gpus``/``processes``.
         gpu_type: required accelerator, e.g. ``"H100"`` (matched against the device name).
-        timeout: seconds for the whole call (default 3 h); ``None`` disables.
+        timeout: seconds for the whole call (default 3 h); ``None`` (or 0) disables.
         mlflow: one MLflow run per call (default on).
         env: extra environment variables for every rank.
         max_restarts: relaunch the whole gang up to N times after a failure worth retrying
@@ -362,27 +375,26 @@ class Options:
         _int("processes", self.processes, 1)
         _int("max_restarts", self.max_restarts, 0)
         _int("min_ranks", self.min_ranks, 1)
-        for name in ("timeout", "hang_timeout"):
+        for name in ("timeout", "hang_timeout"):  # ZERO_IS_NONE: 0 is no limit, as the text "0"
             v = getattr(self, name)
-            if v is None:
+            if v is None or (v == 0 and _seconds(v)):
+                object.__setattr__(self, name, None)
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise LaunchError(f"{name} must be a number of seconds or None, got {v!r}.")
-            if v <= 0:
+            if not _seconds(v, above=0):
                 raise LaunchError(
-                    f"{name} must be a positive number of seconds (or None to disable), got {v}."
+                    f"{name} must be a positive number of seconds (finite; None or 0: no "
+                    f"limit), got {v}."
                 )
         for name in ("restart_backoff", "restart_backoff_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= float(v) < 1e9:
                 raise LaunchError(f"{name} must be a number of seconds >= 0, got {v!r}.")
-        if self.gpu_wait is not None and (
-            isinstance(self.gpu_wait, bool)
-            or not isinstance(self.gpu_wait, numbers.Real)
-            or self.gpu_wait < 0
-        ):
+        if self.gpu_wait is not None and not _seconds(self.gpu_wait, least=0):
             raise LaunchError(
-                f"gpu_wait must be a number of seconds >= 0 or None, got {self.gpu_wait!r}."
+                f"gpu_wait must be a number of seconds >= 0 (finite), or None to wait without "
+                f"limit, got {self.gpu_wait!r}."
             )
         if self.output not in _OUTPUT_MODES:
             raise LaunchError(f"output must be one of {_OUTPUT_MODES}, got {self.output!r}.")
@@ -441,13 +453,10 @@ class Options:
             )
         if self.max_capture_bytes is not None:
             _int("max_capture_bytes", self.max_capture_bytes, 1)
-        if (
-            isinstance(self.grace_period, bool)
-            or not isinstance(self.grace_period, numbers.Real)
-            or self.grace_period < 0
-        ):
+        if not _seconds(self.grace_period, least=0):
             raise LaunchError(
-                f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}."
+                f"grace_period must be a number of seconds >= 0 (finite), got "
+                f"{self.grace_period!r}."
             )
         if not isinstance(self.mlflow, bool):
             raise LaunchError(f"mlflow must be True or False, got {self.mlflow!r}.")

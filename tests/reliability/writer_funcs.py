@@ -86,3 +86,20 @@ def location_then_fail(gate: str) -> str:
 
     _wait(gate)
     raise RuntimeError(f"stops here; location={os.environ.get(contract.CHECKPOINT_DIR)!r}")
+
+
+def saves_then_fails(total: int) -> None:
+    """A Checkpointer saving every step (a tensor, so each checkpoint has a data file), the
+    step's loss logged through it; then the function raises (the MLflow run ends FAILED)."""
+    import torch
+    import torch.distributed as dist
+
+    import gangrun
+
+    dist.init_process_group("gloo")
+    state = {"w": torch.zeros(4)}
+    ckpt = gangrun.Checkpointer(state, every=1, keep=2, async_save=False)
+    for step in ckpt.steps(total):
+        state["w"] += 1
+        ckpt.log_metrics({"loss": 1.0 / (step + 1)}, step)
+    raise RuntimeError(f"the first failure, after {total} steps")

@@ -139,6 +139,54 @@ def test_an_old_marker_without_manifest_is_complete_but_unverifiable(two):
     assert checkpoint.newest_valid(two) == (url, [])
 
 
+def _listing(root, capsys) -> dict[str, str]:
+    """``gangrun checkpoints ROOT``'s rows, by checkpoint name."""
+    assert cli(["checkpoints", root]) == 0
+    return {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:-1]}
+
+
+def test_an_empty_marker_is_damaged_in_the_listing_and_skipped_with_a_warning(two, capsys):
+    # gangrun never writes an empty marker: its write did not finish. The listing and the
+    # restore both call the checkpoint damaged; the restore names it as it skips it.
+    url = f"{two}/step-2"
+    open(os.path.join(url, checkpoint.MARKER), "w").close()
+    assert checkpoint.list_checkpoints(two) == [f"{two}/step-1", url]  # still the newest
+    rep = checkpoint.verify(url)
+    assert rep.state == "damaged" and [(p.file, p.kind) for p in rep.problems] == [
+        (checkpoint.MARKER, "marker")
+    ]
+    assert (
+        "damaged: _COMPLETE is empty: its write did not finish" in _listing(two, capsys)["step-2"]
+    )
+    with pytest.warns(integrity.DamagedCheckpointWarning, match="step-2 is damaged .*is empty"):
+        choice = integrity.choose(two)
+    assert integrity.chosen(choice) == f"{two}/step-1"
+    assert f"checkpoint {url} is damaged (_COMPLETE is empty" in capsys.readouterr().err
+    with pytest.raises(DamagedCheckpointError, match="_COMPLETE is empty"):
+        checkpoint.load(_blank(), url)
+
+
+def test_a_manifest_size_that_is_not_a_number_is_damaged_for_listing_and_restore(two, capsys):
+    # a manifest that does not give sizes makes the checkpoint damaged, in the listing and
+    # the restore alike (never a ValueError out of the scan)
+    url = f"{two}/step-2"
+    path = os.path.join(url, checkpoint.MARKER)
+    with open(path) as f:
+        marker = json.load(f)
+    rel = os.path.basename(_data(url))
+    marker["files"][rel]["size"] = "many"
+    with open(path, "w") as f:
+        json.dump(marker, f)
+    reps = {r.name: r for r in checkpoint.scan(two)}
+    assert reps["step-1"].ok and reps["step-2"].state == "damaged"
+    why = f"_COMPLETE records a size that is not a number for {rel}: 'many'"
+    assert reps["step-2"].reason == why
+    assert f"damaged: {why}" in _listing(two, capsys)["step-2"]
+    with pytest.warns(integrity.DamagedCheckpointWarning, match="step-2 is damaged"):
+        assert integrity.chosen(integrity.choose(two)) == f"{two}/step-1"
+    assert f"checkpoint {url} is damaged ({why}): skipped" in capsys.readouterr().err
+
+
 def test_newest_valid_skips_damaged_ones(two):
     assert checkpoint.newest_valid(two) == (f"{two}/step-2", [])
     _truncate(_data(f"{two}/step-2"))

@@ -192,6 +192,9 @@ def test_misspelled_option_suggests(kwargs, suggestion):
         ("2h", 7200),
         ("1h30m", 5400),
         ("1h0m30s", 3630),
+        ("1h30", 5400),
+        ("1m30", 90),
+        ("2h30.5", 9030),
         (" 2H ", 7200),
         ("none", None),
     ],
@@ -200,7 +203,7 @@ def test_parse_duration(text, seconds):
     assert d.parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["soon", "", "-5", "5d", "h", "1m1h"])
+@pytest.mark.parametrize("text", ["soon", "", "-5", "5d", "h", "1m1h", "90s30", "nan", "1h30x"])
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="not a duration"):
         d.parse_duration(text)
@@ -210,3 +213,41 @@ def test_env_json_round_trip(monkeypatch):
     monkeypatch.setenv("GANGRUN_ENV", json.dumps({"NCCL_DEBUG": "INFO"}))
     gangrun.set_defaults(env={"X": "1"})
     assert dict(distributed(_noop).settings.env) == {"X": "1"}  # whole option, not merged
+
+
+def test_an_option_refused_at_launch_names_where_its_value_came_from(monkeypatch, tmp_path, capsys):
+    from gangrun.cli.entry import main
+
+    fn = distributed(processes=1, mlflow=False)(_noop)
+    monkeypatch.setenv("GANGRUN_MIN_RANKS", "1")
+    with pytest.raises(LaunchError) as info:
+        fn.submit()
+    msg = str(info.value)
+    assert msg.startswith("min_ranks=1 (from GANGRUN_MIN_RANKS) restarts a Ray call"), msg
+    monkeypatch.delenv("GANGRUN_MIN_RANKS")
+    gangrun.set_defaults(min_ranks=1)
+    with pytest.raises(LaunchError, match=r"^min_ranks=1 \(from set_defaults\) restarts"):
+        fn.submit()
+    gangrun.reset_defaults()
+    with pytest.raises(LaunchError, match=r"^min_ranks=1 restarts"):  # an argument: as written
+        fn.options(min_ranks=1).submit()
+    # one refused once the call acquires (the checkpoint location), from the environment
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("GANGRUN_CHECKPOINT_DIR", str(blocked / "ckpt"))
+    with pytest.raises(LaunchError) as info:
+        fn.submit()
+    msg = str(info.value)
+    assert f"checkpoint_dir={str(blocked / 'ckpt')!r} (from GANGRUN_CHECKPOINT_DIR)" in msg, msg
+    monkeypatch.delenv("GANGRUN_CHECKPOINT_DIR")
+    # gangrun run: a flag is named as the flag, a variable as the variable
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    monkeypatch.setenv("GANGRUN_MIN_RANKS", "1")
+    assert main(["run", "--processes", "1", str(script)]) != 0
+    err = capsys.readouterr().err
+    assert "gangrun: min_ranks=1 (from GANGRUN_MIN_RANKS) restarts" in err, err
+    monkeypatch.delenv("GANGRUN_MIN_RANKS")
+    assert main(["run", "--processes", "1", "--min-ranks", "1", str(script)]) != 0
+    err = capsys.readouterr().err
+    assert "gangrun: --min-ranks 1 restarts" in err and "(from" not in err, err

@@ -92,7 +92,7 @@ def test_gang_option_errors():
     with pytest.raises(gangrun.LaunchError, match="max_restarts"):
         gangrun.Gang(processes=2, max_restarts=-1)
     with pytest.raises(gangrun.LaunchError, match="hang_timeout"):
-        gangrun.Gang(processes=2, hang_timeout=0)
+        gangrun.Gang(processes=2, hang_timeout=-1)
     with pytest.raises(gangrun.LaunchError, match="setup"):
         gangrun.Gang(processes=2, setup=3)
     with pytest.raises(gangrun.LaunchError, match="timeout"):

@@ -34,7 +34,6 @@ def gpus(monkeypatch):
         ({"processes": 1.5}, "processes must be an integer"),
         ({"processes": True}, "processes must be an integer"),
         ({"gpus": 0}, "gpus must be >= 1"),
-        ({"timeout": 0}, "timeout must be a positive number"),
         ({"timeout": -5}, "timeout must be a positive number"),
         ({"timeout": "soon"}, "timeout='soon': 'soon' is not a duration: give seconds"),
         ({"timeout": [60]}, "timeout must be a number"),
@@ -70,6 +69,9 @@ def test_timeout_none_disables():
         ("1.5", 1.5),
         ("none", None),
         ("0", None),
+        ("1h30", 5400.0),  # a last number without a unit: the unit after the one before it
+        ("1m30", 90.0),
+        ("1h30m15", 5415.0),
     ],
 )
 def test_a_duration_as_text_means_the_same_in_every_channel(text, seconds, monkeypatch):
@@ -126,6 +128,41 @@ def test_a_bad_duration_as_text_says_what_a_duration_is():
         gangrun.RayOptions(placement_timeout="none").validate()
     with pytest.raises(LaunchError, match="forkserver.start_timeout='soon': 'soon' is not a"):
         gangrun.ForkServerOptions(start_timeout="soon").validate()
+
+
+@pytest.mark.parametrize("name", ["timeout", "hang_timeout", "gpu_wait", "grace_period"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_infinities_are_refused_where_seconds_are_meant(name, value, monkeypatch):
+    # a NaN compares false to every bound: it passed the checks and ran with no limit at all
+    with pytest.raises(LaunchError, match=rf"{name} must be a .*number of seconds .*\(finite"):
+        distributed(processes=1, **{name: value})(_noop)
+    with pytest.raises(LaunchError, match=rf"{name} must be a .*number of seconds .*\(finite"):
+        distributed(processes=1)(_noop).options(**{name: value})
+    with pytest.raises(LaunchError, match=r"number of seconds \(finite\)"):
+        gangrun.RayOptions(placement_timeout=value).validate()
+    with pytest.raises(LaunchError, match=r"number of seconds \(finite\)"):
+        gangrun.ForkServerOptions(start_timeout=value).validate()
+
+    def no_start(self):
+        raise AssertionError("the gang started")
+
+    monkeypatch.setattr(gangrun.Gang, "_start", no_start)
+    for arg in ("start_timeout", "interrupt_grace"):
+        with pytest.raises(LaunchError, match=rf"Gang\({arg}=.*number of seconds \(finite\)"):
+            gangrun.Gang(processes=1, **{arg: value})
+
+
+@pytest.mark.parametrize("name", ["timeout", "hang_timeout"])
+def test_zero_as_a_number_means_no_limit_as_the_text_does(name, monkeypatch):
+    monkeypatch.delenv(f"GANGRUN_{name.upper()}", raising=False)
+    for zero in (0, 0.0, "0"):
+        assert getattr(distributed(processes=1, **{name: zero})(_noop).settings, name) is None
+        f = distributed(processes=1, **{name: 60})(_noop).options(**{name: zero})
+        assert getattr(f.settings, name) is None
+    with pytest.raises(
+        LaunchError, match=rf"{name} must be a positive number of seconds \(finite; None or 0: no"
+    ):
+        distributed(processes=1, **{name: -1})(_noop)
 
 
 def test_bare_decorator_and_plain_call():

@@ -176,3 +176,33 @@ def test_torchs_sampler_resumed_on_another_world_size_is_said_not_exact():
     ls.load_state_dict(state)  # the same size: skipped by count, exact, silently
     with pytest.warns(UserWarning, match=r"saved by 2 ranks resumes on 1: .*gangrun\.data\."):
         ls.load_state_dict({**state, "world_size": 2})
+
+
+def test_the_environment_is_read_by_the_datasets_strict_rule(monkeypatch):
+    # WORLD_SIZE without RANK (or the reverse) would make every process rank 0 of the world,
+    # all reading the same share: refused, naming both variables, as the datasets do
+    ds = TensorDataset(torch.arange(8))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"DistributedSampler: WORLD_SIZE is set \(2\) but RANK"):
+        DistributedSampler(ds)
+    with pytest.raises(ValueError, match=r"per_rank_batch: WORLD_SIZE is set \(2\) but RANK"):
+        per_rank_batch(8)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"RANK is set \(1\) but WORLD_SIZE is not; set both"):
+        DistributedSampler(ds)
+    # explicit arguments win, as in torch
+    s = DistributedSampler(ds, num_replicas=2, rank=0)
+    assert (s.rank, s.num_replicas) == (0, 2)
+    assert per_rank_batch(8, 2) == 4
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    s = DistributedSampler(ds)
+    assert (s.rank, s.num_replicas) == (1, 4)
+    assert list(s) == list(TorchSampler(ds, 4, 1, seed=0))
+    with pytest.raises(ValueError, match="rank 5 is outside world size 4"):
+        DistributedSampler(ds, rank=5)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    s = DistributedSampler(ds)
+    assert (s.rank, s.num_replicas) == (0, 1)

@@ -239,6 +239,36 @@ def test_info_shows_a_rejected_setting_beside_the_value_in_force(monkeypatch, ca
     assert main([*argv, "--check"]) == 0
 
 
+def test_info_check_names_each_option_variable_that_cannot_be_used(monkeypatch, capsys):
+    from gangrun import defaults
+    from gangrun.cli.entry import main
+
+    bad = {
+        "GANGRUN_TIMEOUT": "abc",
+        "GANGRUN_OUTPUT": "some",
+        "GANGRUN_MAX_RESTARTS": "-1",
+        "GANGRUN_RAY_STRATEGY": "FAST",  # an option group's setting
+    }
+    for var, raw in bad.items():
+        monkeypatch.setenv(var, raw)
+    monkeypatch.setenv("GANGRUN_GRACE_PERIOD", "3s")  # a good one, for contrast
+    argv = ["info", "--processes", "1", "--check"]
+    assert main(argv) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "info --check:" in ln]
+    for var in bad:
+        assert sum(f"--check: {var}" in ln for ln in lines) == 1, (var, lines)
+    assert len(lines) == len(bad), lines
+    assert "GANGRUN_MAX_RESTARTS='-1': max_restarts must be >= 0" in "\n".join(lines)
+    assert main([*argv, "--json"]) == 1
+    assert len([ln for ln in capsys.readouterr().err.splitlines() if "--check:" in ln]) == 4
+    with pytest.raises(LaunchError, match="GANGRUN_TIMEOUT='abc'"):  # a call: the first one
+        defaults.from_env()
+    for var in bad:
+        monkeypatch.delenv(var)
+    assert main(argv) == 0, capsys.readouterr().err
+    assert defaults.env_problems() == []
+
+
 def test_a_process_setting_takes_a_duration_as_every_option_does(monkeypatch, capsys):
     """One parser for every duration: ``GANGRUN_SLOW_AFTER=2m`` is accepted as
     ``GANGRUN_TIMEOUT=2m`` is (not seconds only)."""

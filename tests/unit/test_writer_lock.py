@@ -152,3 +152,23 @@ def test_a_host_lock_excludes_another_holder_even_in_this_process():
         pass
     with host_lock("mlflow-run:abc", timeout=0.05):  # free again
         pass
+
+
+@pytest.mark.parametrize("body", ["not json", '{"host": "vm", "pid": 12', '{"pid": 1}'])
+def test_gangrun_checkpoints_names_an_unreadable_or_torn_lock_as_the_call_does(
+    tmp_path, capsys, body
+):
+    from gangrun.cli.entry import main as cli
+
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / "__0_0.distcp").write_bytes(b"z")  # a save that never committed
+    path = tmp_path / writer.LOCK_NAME
+    path.write_text(body)
+    with pytest.raises(LaunchError) as info:
+        writer.acquire(str(tmp_path), "call-t", "train")
+    said = f"locked by a file gangrun cannot read ({path}). If no call writes to this location, "
+    said += "delete that file"
+    assert said in str(info.value), str(info.value)
+    assert cli(["checkpoints", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"writer: {said}."
+    assert writer.holder(str(tmp_path)) == {"live": None, "unreadable": True}

@@ -137,15 +137,36 @@ def list_checkpoints(url: str | os.PathLike[str], **storage_options: Any) -> lis
     found = []
     for m in markers:
         d = m[: -len(MARKER) - 1]
-        try:
-            info = json.loads(fs.cat_file(m) or b"{}")
-            t = float(info.get("time", 0.0))
-        except (ValueError, OSError, AttributeError):
-            t = 0.0
-        found.append((t, natural_key(d.rsplit("/", 1)[-1]), d))
+        found.append((_commit_time(fs, m), natural_key(d.rsplit("/", 1)[-1]), d))
     found.sort()
     src = os.fspath(url)
     return [public_path(fs, src, d) for _, _, d in found]
+
+
+def _commit_time(fs: Any, marker: str) -> float:
+    """The commit time marker ``marker`` records; for one that records none (empty, torn,
+    not JSON), when the storage says it was written: such a checkpoint is listed where it
+    was made (its marker is verified, and found damaged, like any other's), not as the
+    oldest, which a restore would pass over without a word."""
+    try:
+        return float(json.loads(fs.cat_file(marker))["time"])
+    except (ValueError, OSError, KeyError, TypeError):
+        pass
+    try:
+        return stored_time(fs.info(marker)) or 0.0
+    except OSError:
+        return 0.0
+
+
+def stored_time(info: dict[str, Any]) -> float | None:
+    """When the storage says a file was written (fsspec's ``info``), or None."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        v: Any = info.get(key)
+        if isinstance(v, (int, float)):
+            return float(v)
+        if v is not None and hasattr(v, "timestamp"):
+            return float(v.timestamp())
+    return None
 
 
 def public_path(fs: Any, src: str, path: str) -> str:

@@ -5,7 +5,9 @@ size, makes the checkpoint *damaged*. That catches truncation (a partial upload,
 interrupted copy) and deletion without reading a byte. ``checksums=True`` also reads every
 file and compares its CRC-32 (silent corruption of the same size), at the cost of reading
 the whole checkpoint. A marker without a manifest (written by an older gangrun) is *complete
-but unverifiable*: taken as valid.
+but unverifiable*: taken as valid. A marker that cannot be used (empty, not JSON, a manifest
+whose sizes are not numbers) makes the checkpoint *damaged*, for the listing and the restore
+alike.
 
 A ``Checkpointer`` restores the newest valid checkpoint (`choose`, on rank 0), warning about
 each damaged one it skips; `load` raises `DamagedCheckpointError` (`check_before_load`, and
@@ -30,6 +32,7 @@ from . import (
     list_checkpoints,
     natural_key,
     public_path,
+    stored_time,
 )
 from .manifest import FILES, crc32_of, files_under, read_marker
 
@@ -90,16 +93,6 @@ class CheckpointReport:
         return d
 
 
-def _mtime(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        v: Any = info.get(key)
-        if isinstance(v, (int, float)):
-            return float(v)
-        if v is not None and hasattr(v, "timestamp"):
-            return float(v.timestamp())
-    return None
-
-
 def _step(name: str) -> int | None:
     m = re.search(r"(\d+)$", name)
     return int(m.group(1)) if m else None
@@ -136,7 +129,12 @@ class _Entry:
             rep.verified, rep.checksums = True, checksums
             for rel, want in sorted(recorded.items(), key=lambda kv: natural_key(kv[0])):
                 want = want if isinstance(want, dict) else {}
-                size = int(want.get("size", -1))
+                try:
+                    size = int(want.get("size", -1))
+                except (TypeError, ValueError):  # a manifest that cannot be trusted
+                    what = f"records a size that is not a number for {rel}: {want['size']!r}"
+                    rep.problems.append(Problem(MARKER, "marker", what))
+                    continue
                 if rel not in sizes:
                     rep.problems.append(Problem(rel, "missing", f"is missing ({size} bytes)"))
                 elif sizes[rel] != size:
@@ -187,11 +185,11 @@ def _entries(
         t: float | None
         if marker is not None:
             try:
-                t = float(marker.get("time", 0.0))
-            except (TypeError, ValueError):
-                t = 0.0
+                t = float(marker["time"])
+            except (KeyError, TypeError, ValueError):  # a marker that records no time
+                t = stored_time(files[MARKER]) or 0.0
         else:
-            times = [m for m in (_mtime(i) for i in files.values()) if m is not None]
+            times = [m for m in (stored_time(i) for i in files.values()) if m is not None]
             t = max(times) if times else None
         data = {k: v for k, v in files.items() if k != MARKER}
         out.append(_Entry(public_path(fs, src, path), name, path, data, marker, t))

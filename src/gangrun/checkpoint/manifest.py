@@ -148,8 +148,13 @@ def crc32_of(fs: Any, path: str) -> str:
 
 
 def read_marker(fs: Any, path: str) -> dict[str, Any]:
+    """A commit marker's record; ``{"": why}`` for one that cannot be used (unreadable, not
+    a JSON object, empty: gangrun never writes an empty one, so its write did not finish)."""
     try:
-        info = json.loads(fs.cat_file(path) or b"{}")
+        raw = fs.cat_file(path)
+        if not raw.strip():
+            return {"": "is empty: its write did not finish"}
+        info = json.loads(raw)
     except (ValueError, OSError, UnicodeDecodeError) as exc:
         return {"": f"cannot be read ({type(exc).__name__}: {exc})"}
     return info if isinstance(info, dict) else {"": "is not a JSON object"}

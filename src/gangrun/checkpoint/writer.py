@@ -188,23 +188,33 @@ def _take(fs: Any, local: bool, lock: WriterLock) -> WriterLock:
 
 def holder(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The record of the call holding ``url`` (with ``"live"``: True, False for a dead
-    holder, None when it cannot be checked from here), or None when nobody holds it."""
+    holder, None when it cannot be checked from here), or None when nobody holds it. A lock
+    file that cannot be read (torn, not gangrun's), once given the time `acquire` gives it
+    to be complete: ``{"live": None, "unreadable": True}``."""
     so = dict(storage_options or {})
     fs, local = _fs(url, so)
     path = lock_path(url, so)
-    raw = _read(fs, local, path)
+    raw = _read_settled(fs, local, path)
     if raw is None:
         return None
-    rec = _parse(raw) or {}
-    return dict(rec, live=liveness(rec, path) if rec else None)
+    rec = _parse(raw)
+    if rec is None:
+        return {"live": None, "unreadable": True}
+    return dict(rec, live=liveness(rec, path))
+
+
+def unreadable_lock(path: str) -> str:
+    """What a lock file gangrun cannot read means, and what to do (the call's refusal and
+    ``gangrun checkpoints`` say it alike)."""
+    return (
+        f"locked by a file gangrun cannot read ({path}). If no call writes to this location, "
+        "delete that file"
+    )
 
 
 def in_use_message(url: str, path: str, rec: dict[str, Any] | None, live: bool | None) -> str:
     if rec is None:
-        return (
-            f"checkpoint_dir={url!r} is locked by a file gangrun cannot read ({path}). If no "
-            "call writes to this location, delete that file and try again."
-        )
+        return f"checkpoint_dir={url!r} is {unreadable_lock(path)} and try again."
     fn, call, mlflow_id = (
         rec.get("function") or "?",
         rec.get("call") or "?",
@@ -318,4 +328,13 @@ def _remove(fs: Any, local: bool, path: str) -> None:
         pass
 
 
-__all__ = ["LOCK_NAME", "WriterLock", "acquire", "holder", "liveness", "lock_path", "record"]
+__all__ = [
+    "LOCK_NAME",
+    "WriterLock",
+    "acquire",
+    "holder",
+    "liveness",
+    "lock_path",
+    "record",
+    "unreadable_lock",
+]

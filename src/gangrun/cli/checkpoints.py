@@ -99,7 +99,7 @@ def _list(ns: argparse.Namespace) -> int:
 
 def _holder_line(url: str) -> str:
     """Who writes to the location now (its one writer: `gangrun.checkpoint.writer`)."""
-    from ..checkpoint.writer import holder
+    from ..checkpoint.writer import holder, lock_path, unreadable_lock
 
     try:
         rec = holder(url)
@@ -107,6 +107,8 @@ def _holder_line(url: str) -> str:
         return f"writer: unknown ({type(exc).__name__}: {exc})"
     if rec is None:
         return "writer: none (no live call holds this location)"
+    if rec.get("unreadable"):  # torn, or not gangrun's: as a call on the location says it
+        return f"writer: {unreadable_lock(lock_path(url))}."
     live = rec.get("live")
     state = "live" if live is True else "dead: the next call takes it over" if live is False else ""
     state = state or "on another host: cannot be checked from here"

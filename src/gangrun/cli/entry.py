@@ -334,13 +334,15 @@ def cmd_info(ns: argparse.Namespace) -> int:
     rank_env: dict[str, str] | None = None
     note = None
     opts = None
-    rejected: list[str] = []  # what --check fails on
+    # what --check fails on: every option variable that cannot be used, not the first alone
+    rejected: list[str] = [speak_cli(p) for p in _defaults.env_problems()]
     try:
         opts, sources = _defaults.resolve_with_sources(options_from_args(ns))
         report["options"] = option_rows(opts, sources)
     except DistributedError as exc:
         note = speak_cli(exc)
-        rejected.append(note)
+        if note not in rejected:
+            rejected.append(note)
     report["settings"] = setting_rows()
     for var, row in report["settings"].items():
         if "rejected" in row:

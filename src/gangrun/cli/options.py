@@ -1,7 +1,7 @@
 """The ``gangrun`` command's option flags: one per field of [`gangrun.Options`][gangrun.api.Options].
 
 Values are parsed as the ``GANGRUN_<OPTION>`` variables are (`gangrun.defaults`), so a
-duration is ``90``, ``90s``, ``15m``, ``2h``, ``1h30m`` or ``none`` on both. A flag that is
+duration is ``90``, ``90s``, ``15m``, ``2h``, ``1h30m`` (``1h30`` too) or ``none`` on both. A flag that is
 not given leaves its option to ``GANGRUN_<OPTION>`` and the built-in default.
 """
 
@@ -143,7 +143,9 @@ def speak_cli(error: BaseException | str) -> str:
             value = value.strip("[]").replace(" ", "")
         return f"{spelled} {'none' if value == 'None' else value}"
 
-    text = re.sub(rf"(?<![\w.\[])({names})=(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;)]+)", flag, text)
+    value = r"(\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[^\s,;)]+(?![^\s,;)]))"
+    # ``min_ranks=1 (from GANGRUN_MIN_RANKS)`` was no flag: left as the variable set it
+    text = re.sub(rf"(?<![\w.\[])({names})={value}(?! \(from )", flag, text)
     return text.replace("(None: no limit)", "(none: no limit)")
 
 

@@ -33,7 +33,6 @@ and saves the global position (`gangrun.checkpoint.dataloader`). The sampler's o
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -41,25 +40,28 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
+from . import split
 
-def _rank_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+
+def _rank_world(
+    num_replicas: int | None, rank: int | None, what: str = "DistributedSampler"
+) -> tuple[int, int]:
     """``(rank, world)``: the arguments, else torch.distributed's when it is initialised,
-    else ``RANK``/``WORLD_SIZE`` (0 and 1 when unset)."""
+    else ``RANK``/``WORLD_SIZE`` by the datasets' strict rule (`split.rank_world`: 0 and 1
+    when neither is set, an error naming both when only one is)."""
     import torch.distributed as dist
 
-    ready = dist.is_available() and dist.is_initialized()
-    if num_replicas is None:
-        num_replicas = dist.get_world_size() if ready else int(os.environ.get("WORLD_SIZE") or 1)
-    if rank is None:
-        rank = dist.get_rank() if ready else int(os.environ.get("RANK") or 0)
-    return int(rank), int(num_replicas)
+    if dist.is_available() and dist.is_initialized():
+        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        rank = dist.get_rank() if rank is None else rank
+    return split.rank_world(rank, num_replicas, what)
 
 
 def per_rank_batch(global_batch: int, world_size: int | None = None) -> int:
     """The per-rank batch size that holds ``global_batch`` on ``world_size`` ranks (default:
     this process's world, as `DistributedSampler` finds it): ``global_batch // world_size``.
     A ``ValueError`` when it does not divide."""
-    _, world = _rank_world(world_size, 0)
+    world = world_size if world_size is not None else _rank_world(None, None, "per_rank_batch")[1]
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(
             f"per_rank_batch: global_batch must be an integer >= 1, got {global_batch!r}"
@@ -153,7 +155,9 @@ class DistributedSampler(_TorchDistributedSampler):
         dataset: a map-style dataset (``len`` known).
         num_replicas: the world size (default: torch.distributed's when initialised, else
             ``WORLD_SIZE``, else 1).
-        rank: this rank (default: torch.distributed's, else ``RANK``, else 0).
+        rank: this rank (default: torch.distributed's, else ``RANK``, else 0). Given
+            arguments win; from the environment, ``RANK`` without ``WORLD_SIZE`` (or the
+            reverse) is a ``ValueError`` naming both, as for the datasets.
         shuffle, seed, drop_last: as torch's.
     """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import secrets
 import socket
@@ -62,9 +63,12 @@ def _seconds(name: str, value: float | str) -> float:
     from ..durations import parse_seconds
 
     try:
-        return parse_seconds(value) if isinstance(value, str) else float(value)
+        seconds = parse_seconds(value) if isinstance(value, str) else float(value)
     except (TypeError, ValueError) as exc:
         raise LaunchError(f"Gang({name}={value!r}): {exc}.") from None
+    if not math.isfinite(seconds):  # NaN would pass every bound as no limit
+        raise LaunchError(f"Gang({name}={value!r}): give a number of seconds (finite).")
+    return seconds
 
 
 def _tcp_host(address: str | None) -> tuple[str, str]:

@@ -120,13 +120,33 @@ def prepare(sup: Supervisor) -> dict[str, str]:
     return env
 
 
-def _prepare_held(sup: Supervisor, url: str, recorded: dict[str, str]) -> dict[str, str]:
-    tracker = sup.tracker
+def check_resume(opts: Options, run_id: str, tags: dict[str, str]) -> None:
+    """Refuse, before the resumed MLflow run ``run_id`` is touched (its tracker calls this
+    with the run's ``tags`` before taking it), what `prepare` would refuse once it is: a
+    location that cannot be written, one a live call holds, recorded checkpoints that are
+    gone or all damaged. A refused call thus leaves the run exactly as it was (its error
+    tag, its resume count, its status)."""
+    url = opts.checkpoint_dir or tags.get(TAG_DIR)
+    if url is None:
+        return
+    url = _normalise(url)
+    check_writable(url)
+    from ..checkpoint import writer
+
+    held = writer.holder(url)  # read only: `prepare` takes it once the run is this call's
+    live = None if held is None else held.pop("live")
+    if held is not None and live is not False:  # a dead holder is taken over by `prepare`
+        rec = None if held.get("unreadable") else held
+        raise LaunchError(writer.in_use_message(url, writer.lock_path(url), rec, live))
+    _check_recorded(f"MLflow run {run_id}", url, tags)
+
+
+def _check_recorded(run: str, url: str, recorded: dict[str, str]) -> None:
+    """A LaunchError when ``run`` recorded checkpoints in ``url`` and none is usable now."""
     last = recorded.get(TAG_LATEST)
     if last and recorded.get(TAG_DIR, "").rstrip("/") == url.rstrip("/"):
         from ..checkpoint import integrity, latest
 
-        run = f"MLflow run {tracker.run_id if tracker else ''}"
         if latest(url) is None:
             raise LaunchError(
                 f"{run} recorded checkpoints in {url} (the last one {last}), but no complete "
@@ -137,6 +157,11 @@ def _prepare_held(sup: Supervisor, url: str, recorded: dict[str, str]) -> dict[s
         valid, damaged = integrity.newest_valid(url)  # listings and sizes: no data is read
         if valid is None:
             raise LaunchError(f"{run} cannot resume: {integrity.no_valid_message(url, damaged)}")
+
+
+def _prepare_held(sup: Supervisor, url: str, recorded: dict[str, str]) -> dict[str, str]:
+    tracker = sup.tracker
+    _check_recorded(f"MLflow run {tracker.run_id if tracker else ''}", url, recorded)
     if tracker is not None:
         try:
             tracker.client.set_tag(tracker.run_id, TAG_DIR, url)

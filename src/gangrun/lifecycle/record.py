@@ -62,10 +62,12 @@ class CallRecord:
 def tracking_info(call: CallRecord, gpu_name: str | None) -> TrackingInfo:
     """What the call's MLflow run records about it (params and tags); ``gpu_name``: the
     reserved GPUs' (the plan's candidates are only a guess)."""
+    import functools
     import socket
 
     from ..tracking.plan import TrackingInfo, call_arguments
     from ..version import __version__
+    from .checkpoints import check_resume
 
     opts = call.options
     return TrackingInfo(
@@ -83,6 +85,8 @@ def tracking_info(call: CallRecord, gpu_name: str | None) -> TrackingInfo:
         # the file the call runs, when the callable names it (gangrun run: the script)
         source=getattr(call.fn, "source_file", None),
         backend="ray" if call.plan.backend == "ray" else None,
+        # a resume its checkpoints would refuse is refused before the run is touched
+        check_resume=functools.partial(check_resume, opts),
     )
 
 

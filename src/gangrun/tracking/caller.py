@@ -184,6 +184,9 @@ class Tracker:
                 run_id
             )
             with lease.exclusive(run_id):  # check, take, verify: one call of this host at once
+                if info.check_resume is not None:  # refused before anything of it changes
+                    lease.check(resume, where)  # a live call's run: that refusal first
+                    info.check_resume(run_id, dict(resume.data.tags))
                 resume = lease.take(client, run_id, tags.pop(lease.TAG_LEASE), call_id, where)
                 tracker = cls(client, run_id, plan.experiment_id, plan.tracking_uri)
                 tracker.call_id = call_id

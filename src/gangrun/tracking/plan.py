@@ -130,6 +130,11 @@ class TrackingInfo:
     args: dict[str, Any] = field(default_factory=dict)  # the call's arguments, by parameter
     source: str | None = None  # the file the call runs (gangrun run: the script)
     backend: str | None = None  # "ray"; None on this node
+    # (run id, tags) of a run to resume -> a LaunchError refusing it: called before the run is
+    # touched, so a refused call leaves it as it was (the call's checkpoints: their location)
+    check_resume: Callable[[str, dict[str, str]], None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def params(self) -> dict[str, Any]:
         """The call's own MLflow params (before its arguments), ``None`` values left out."""
