@@ -41,6 +41,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "reliability/test_disk_and_forkserver.py": (),
     "reliability/test_launch_items.py": (),
     "reliability/test_one_writer.py": (),
+    "reliability/test_oom.py": (),
     "reliability/test_restart_and_hang.py": (),
     "reliability/test_restart_rules.py": (),
     "reliability/test_security.py": (),

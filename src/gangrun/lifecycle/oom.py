@@ -1,0 +1,123 @@
+"""Was a SIGKILLed rank killed by the kernel's out-of-memory killer? The caller's verdict, with
+figures, from what the host offers once the rank is dead:
+
+- the kernel log (``/dev/kmsg``, where this user may read it): "Killed process PID ...
+  anon-rss:...kB" and its "oom-kill:... task_memcg=..." line: certain, with the resident
+  memory at the kill;
+- the memory cgroup the rank was in (from its last memory sample, `gangrun.wire.memory`: the
+  pid is gone by now): its ``oom_kill`` counter (v2 ``memory.events``, v1
+  ``memory.oom_control``) rose since that sample: certain; its limit and peak are the figures;
+- the last sample alone: resident memory near the limit says "probably".
+
+Nothing of the host is read unless a rank died of SIGKILL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..host import memory as host
+from ..wire import memory as memory_file
+from ..wire.memory import MemorySample, fmt_bytes
+
+NEAR_LIMIT = 0.85  # a last sample at this share of the limit or more: "probably"
+
+
+@dataclass(frozen=True)
+class OomVerdict:
+    """What the host says of a SIGKILL: ``certain`` (the kernel log or the cgroup's counter
+    recorded the kill) or probable (only the memory trend); the figures."""
+
+    certain: bool
+    rss: int | None  # bytes resident at the kill (or the cgroup's peak, or the last sample)
+    limit: int | None  # bytes
+    cgroup: str | None  # the memory cgroup whose limit applied ("" : the machine's memory)
+    evidence: str  # where the verdict comes from, in words
+    peak: int | None = None  # bytes: the cgroup's peak use (its processes, its page cache)
+
+    def text(self, who: str) -> str:
+        """``<who> was killed by the out-of-memory killer: 11.2 GiB resident of a 12 GiB
+        limit (memory cgroup /a/b)``, ``who`` naming the rank."""
+        figures = ""
+        if self.rss is not None and self.limit:
+            figures = f": {fmt_bytes(self.rss)} resident of a {fmt_bytes(self.limit)} limit"
+        elif self.rss is not None:
+            figures = f": {fmt_bytes(self.rss)} resident"
+        where = ""
+        if self.cgroup:
+            where = f" (memory cgroup {self.cgroup}"
+            if (
+                self.peak
+                and self.rss
+                and self.limit
+                and abs(self.peak - self.rss) > self.limit / 10
+            ):
+                # pages it shares with the process it was forked from are charged there
+                where += f"; {fmt_bytes(self.peak)} charged to it at the peak"
+            where += ")"
+        elif self.cgroup == "":
+            where = " (the machine's memory)"
+        if self.certain:
+            return f"{who} was killed by the out-of-memory killer{figures}{where}"
+        figures = figures.replace(": ", ": last sampled at ", 1)
+        return f"{who} was killed by SIGKILL, probably by the out-of-memory killer{figures}{where}"
+
+
+def judge(
+    last: MemorySample | None,
+    kernel: host.KernelKill | None,
+    now: host.CgroupMemory | None,
+) -> OomVerdict | None:
+    """The verdict from the facts (pure: tests give them): the rank's last memory sample, the kernel log's record of the kill, its memory cgroup's figures now."""
+    cgroup = last.cgroup if last is not None else None
+    limit = now.limit if now is not None and now.limit else (last.limit if last else None)
+    rose = (
+        now is not None
+        and last is not None
+        and now.oom_kills is not None
+        and last.oom_kills is not None
+        and now.oom_kills > last.oom_kills
+    )
+    peak = now.peak if now is not None else None
+    if kernel is not None:
+        if kernel.limited_by == "":  # the whole machine ran out
+            ram = host.machine_ram()
+            return OomVerdict(True, kernel.rss, ram, "", "the kernel log")
+        where = kernel.limited_by or kernel.memcg or cgroup
+        return OomVerdict(True, kernel.rss, limit, where, "the kernel log", peak)
+    if rose:
+        assert now is not None and last is not None
+        rss = max(v for v in (now.peak, last.rss) if v is not None)
+        return OomVerdict(True, rss, limit, cgroup, "the memory cgroup's oom_kill counter", peak)
+    if last is not None and last.limit and last.rss >= NEAR_LIMIT * last.limit:
+        return OomVerdict(False, last.rss, last.limit, cgroup, "its last memory sample")
+    return None
+
+
+def explain(run_dir: str | None, rank: int, pid: int | None) -> OomVerdict | None:
+    """The verdict on rank ``rank`` (pid ``pid``), dead of SIGKILL, or None (nothing says
+    it was the out-of-memory killer)."""
+    last = memory_file.read(run_dir, rank) if run_dir else None
+    if pid is None and last is not None:
+        pid = last.pid
+    memcg = last.cgroup if last is not None else None
+    kernel = host.kernel_kill(pid, memcg)[1] if pid is not None else None
+    now = None
+    if last is not None and last.cgroup is not None and last.cgroup_version is not None:
+        cg = host.Cgroup(
+            last.cgroup, last.cgroup_version, host.cgroup_path(last.cgroup_version, last.cgroup)
+        )
+        now = host.cgroup_memory(cg)
+    return judge(last, kernel, now)
+
+
+def what_to_do(v: OomVerdict) -> str:
+    """The advice that follows the verdict."""
+    check = "" if v.certain else "The kernel log (`dmesg`) says for sure. "
+    return (
+        f"{check}Lower the memory the rank holds (the batch size, the DataLoader's workers "
+        "and prefetch) or raise the limit."
+    )
+
+
+__all__ = ["NEAR_LIMIT", "OomVerdict", "explain", "judge", "what_to_do"]
