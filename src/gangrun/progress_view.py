@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .wire.memory import MemorySample
+
 
 @dataclass(frozen=True)
 class RankProgress:
@@ -33,6 +35,8 @@ class Progress:
     resumed_from: int | None = None  # the step this attempt's restore resumed at
     resumed_world: int | None = None  # the ranks that saved it, when another number
     ranks: dict[int, RankProgress] = field(default_factory=dict)
+    # every live rank's last memory sample: resident memory of its tree, limit, CUDA
+    memory: dict[int, MemorySample] = field(default_factory=dict)
 
     @property
     def reported(self) -> bool:

@@ -43,8 +43,11 @@ class MemorySample:
         """``rss / limit`` (None: no limit known)."""
         return self.rss / self.limit if self.limit else None
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     def to_bytes(self) -> bytes:
         """The sample as the file holds it: `SIZE` bytes (a cgroup name too long to fit is
@@ -134,15 +137,9 @@ def nearest_limit(samples: dict[int, MemorySample]) -> tuple[int, MemorySample] 
     return r, s
 
 
-def as_dict(samples: dict[int, MemorySample]) -> dict[str, Any]:
-    """The samples by rank, for ``gangrun ps --json``."""
-    return {str(r): asdict(s) for r, s in sorted(samples.items())}
-
-
 __all__ = [
     "SIZE",
     "MemorySample",
-    "as_dict",
     "fmt_bytes",
     "nearest_limit",
     "open_for_writing",
