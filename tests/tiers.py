@@ -58,6 +58,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "system/test_elastic_data.py": (),
     "system/test_quiet_output.py": (),
     "system/test_first_steps.py": (),
+    "system/test_memory_view.py": (),
     "system/test_first_steps.py::test_first_call_after_prewarm_imports_nothing_in_the_kernel": (
         "kernel",
     ),

@@ -226,3 +226,142 @@ def test_the_error_record_of_a_cuda_oom_carries_the_figures(monkeypatch, n):
     monkeypatch.setattr(rank_memory, "cuda_oom_note", lambda exc: note if n else None)
     rec = worker.error_record(0, RuntimeError("CUDA out of memory."), "tb")
     assert rec.message == ("CUDA out of memory.\n" + note if n else "CUDA out of memory.")
+
+
+# ---------------------------------------------------------------- where it is shown
+def _write_samples(run_dir: str, samples: list[MemorySample]) -> None:
+    for s in samples:
+        fd = memory_file.open_for_writing(run_dir, s.rank)
+        memory_file.write(fd, s)
+        os.close(fd)
+
+
+def test_the_panel_rows_show_each_ranks_memory_and_the_nearest_limit():
+    import types
+
+    from gangrun.notebook import html
+    from gangrun.notebook.state import CallState
+    from gangrun.progress_view import Progress
+
+    call = types.SimpleNamespace(fn_name="train", run_id="r1", world_size=3, max_restarts=0)
+    st = CallState(call)
+    st.starting()
+    st.attempt_started(0)
+    far = MemorySample(0, 10, 0.0, int(1.2 * GiB), 12 * GiB)
+    near = MemorySample(
+        1,
+        11,
+        0.0,
+        int(11.2 * GiB),
+        12 * GiB,
+        cuda_device=0,
+        cuda_allocated=3 * GiB,
+        cuda_reserved=4 * GiB,
+    )
+    out = html.render_panel(st.snapshot, progress=Progress(memory={0: far, 1: near}))
+    assert "<th " in out and ">memory</th>" in out
+    row0 = out[out.index('data-rank="0"') : out.index('data-rank="1"')]
+    row1 = out[out.index('data-rank="1"') : out.index('data-rank="2"')]
+    row2 = out[out.index('data-rank="2"') :]
+    assert f'data-rss="{far.rss}" data-limit="{12 * GiB}"' in row0
+    assert "1.2 GiB of 12 GiB (10%)" in row0 and "data-nearest-limit" not in row0
+    assert "data-nearest-limit" in row1 and "color:#d62728" in row1
+    assert "11.2 GiB of 12 GiB (93%) · cuda:0 3 GiB allocated, 4 GiB reserved" in row1
+    assert "data-rss" not in row2.split("</tr>")[0]  # no sample yet: an empty cell
+    # the nearest rank far from its limit is not marked
+    calm = html.render_panel(st.snapshot, progress=Progress(memory={0: far}))
+    assert "data-nearest-limit" not in calm
+
+
+def test_the_watch_reads_the_ranks_samples_into_the_progress(tmp_path):
+    import types
+
+    from gangrun.lifecycle import watch
+
+    s = MemorySample(1, 11, 0.0, 5 * MiB, 300 * MiB)
+    _write_samples(str(tmp_path), [s])
+    call = types.SimpleNamespace(world_size=2)
+    run = types.SimpleNamespace(call=call, run_dir=str(tmp_path), log_dir="", gang=None)
+    assert watch.Watch(run).progress().memory == {1: s}
+
+
+def test_gangrun_ps_lists_each_ranks_memory(tmp_path, monkeypatch, capsys):
+    import json
+    import tempfile
+    import time
+
+    from gangrun.cli import entry as cli
+    from gangrun.host.system import process_identity
+    from gangrun.wire.rundir import CALL_RECORD
+
+    d = tmp_path / "gangrun-mem001-x"
+    d.mkdir(mode=0o700)
+    rec = {
+        "run_id": "mem001",
+        "caller_pid": os.getpid(),
+        "caller": process_identity(os.getpid()),
+        "state": "running",
+        "world_size": 2,
+        "started": time.time(),
+        "function": "train",
+    }
+    (d / CALL_RECORD).write_text(json.dumps(rec))
+    now = time.time()
+    _write_samples(
+        str(d),
+        [
+            MemorySample(0, 10, now, int(1.2 * GiB), 12 * GiB),
+            MemorySample(1, 11, now - 60, int(11.2 * GiB), 12 * GiB),  # its rank busy in C code
+        ],
+    )
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.main(["ps"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith("  memory:"))
+    assert lines[i] == "  memory: rank 0  1.2 GiB of 12 GiB (10%)"
+    assert (
+        lines[i + 1]
+        == "          rank 1  11.2 GiB of 12 GiB (93%) (1m00s ago)  <- nearest its limit"
+    )
+    assert cli.main(["ps", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed[0]["memory"]["1"]["rss"] == int(11.2 * GiB)
+    assert listed[0]["memory"]["0"]["limit"] == 12 * GiB
+
+
+def test_the_system_metrics_monitor_logs_each_ranks_memory(tmp_path):
+    from gangrun.tracking.memory import RankMemoryMonitor
+
+    mon = RankMemoryMonitor(str(tmp_path), 2)
+    mon.collect_metrics()
+    assert mon.aggregate_metrics() == {}  # no sample yet
+    _write_samples(
+        str(tmp_path),
+        [
+            MemorySample(0, 10, 0.0, 100_000_000, 400_000_000),
+            MemorySample(
+                1,
+                11,
+                0.0,
+                300_000_000,
+                None,
+                cuda_device=0,
+                cuda_allocated=2_000_000_000,
+                cuda_reserved=3_000_000_000,
+            ),
+        ],
+    )
+    mon.collect_metrics()
+    _write_samples(str(tmp_path), [MemorySample(0, 10, 1.0, 200_000_000, 400_000_000)])
+    mon.collect_metrics()
+    assert mon.aggregate_metrics() == {
+        "rank_0_memory_rss_megabytes": 150.0,
+        "rank_0_memory_limit_percentage": 37.5,
+        "rank_1_memory_rss_megabytes": 300.0,
+        "rank_1_cuda_allocated_megabytes": 2000.0,
+        "rank_1_cuda_reserved_megabytes": 3000.0,
+    }
+    assert set(mon.metrics) == set(mon.aggregate_metrics())
+    mon.clear_metrics()
+    assert mon.aggregate_metrics() == {}
