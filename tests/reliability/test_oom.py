@@ -14,7 +14,7 @@ import time
 import uuid
 
 import pytest
-from rel_funcs import outgrows_its_cgroup
+from rel_funcs import outgrows_its_cgroup, worker_outgrows_its_cgroup
 
 import gangrun
 from conftest import assert_no_survivors
@@ -157,4 +157,31 @@ def test_a_rank_killed_by_the_out_of_memory_killer_is_named_with_its_figures(
     assert "The other rank(s) [0] were stopped." in msg, msg
     assert err.failures[1].signal == "SIGKILL"
     assert host.cgroup_memory(memory_cgroup).oom_kills == 1
+    assert_no_survivors()
+
+
+def test_a_dataloader_worker_killed_by_the_out_of_memory_killer_is_named(memory_cgroup):
+    """The rank raises torch's "DataLoader worker (pid N) is killed by signal: Killed": the
+    error adds that the out-of-memory killer killed that worker, with the figures."""
+    if host.read_kernel_log(1) is None:
+        pytest.skip("the kernel log cannot be read here: only the rank's cgroup would say")
+    fn = gangrun.distributed(processes=2, timeout=120)(worker_outgrows_its_cgroup)
+    with pytest.raises(DistributedError) as caught:
+        fn.distributed(os.path.join(memory_cgroup.path, "cgroup.procs"), 2.5)
+    err = caught.value
+    msg = str(err)
+    head = msg.split("\n\n")[0]
+    print(head)
+    assert err.rank == 1 and err.exc_type == "RuntimeError", msg
+    m = re.search(r"DataLoader worker \(pids?(?:\(s\))? (\d+)\)", head)
+    assert m, head
+    worker = m.group(1)
+    said = re.search(
+        rf"\nIts DataLoader worker \(pid {worker}\) was killed by the out-of-memory killer: "
+        r"([\d.]+ [KMG]iB) resident of a 300 MiB limit \(memory cgroup ([^;)]+)",
+        head,
+    )
+    assert said, head
+    assert said.group(2) == memory_cgroup.name, head
+    assert "The other rank(s) [0] were stopped." in msg, msg
     assert_no_survivors()

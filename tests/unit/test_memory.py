@@ -184,6 +184,11 @@ def test_only_the_memory_trend_says_probably_and_nothing_says_none():
         "sampled at 290 MiB resident of a 300 MiB limit (memory cgroup /jobs/a/rank1)"
     )
     assert "`dmesg`" in oom.what_to_do(near)
+    # the kernel log was read and records no kill of it: another process's kill in a shared
+    # cgroup raised the counter, and near its limit is not enough either
+    rose = host.CgroupMemory(300 * MiB, 0, 0, 1)
+    assert oom.judge(_sample(290 * MiB), None, rose, kernel_log_read=True) is None
+    assert oom.judge(_sample(290 * MiB), None, rose).certain  # the log closed: the counter
     # far from its limit and no counter rose: a kill -9, not the out-of-memory killer
     assert oom.judge(_sample(20 * MiB), None, host.CgroupMemory(300 * MiB, 0, 0, 0)) is None
     assert oom.judge(None, None, None) is None
@@ -197,6 +202,15 @@ def test_only_the_memory_trend_says_probably_and_nothing_says_none():
 def test_a_dead_rank_without_a_sample_or_a_cgroup_gets_no_verdict(tmp_path):
     assert oom.explain(str(tmp_path), 0, 2**22 + 7) is None
     assert oom.explain(None, 0, None) is None
+    assert oom.explain_worker(str(tmp_path), 0, "ValueError: DataLoader worker") is None
+
+
+def test_torchs_words_for_a_dead_dataloader_worker_give_its_pids():
+    killed = "DataLoader worker (pid 4242) is killed by signal: Killed. "
+    assert oom.worker_pids(killed) == [4242]
+    gone = "RuntimeError: DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"
+    assert oom.worker_pids(gone) == [4242, 4243]
+    assert oom.worker_pids("DataLoader worker (pid 7) is killed by signal: Bus error.") == []
 
 
 # ---------------------------------------------------------------- CUDA out of memory

@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from .system import child_pids
@@ -265,16 +267,31 @@ def parse_kernel_log(lines: list[str], pid: int, memcg: str | None = None) -> Ke
     return found or in_memcg
 
 
-def read_kernel_log(max_records: int = KMSG_MAX_RECORDS) -> list[str] | None:
-    """The kernel log's messages (``/dev/kmsg``, read without blocking), or None when it
-    cannot be read here (no permission: ``dmesg_restrict``, a container)."""
+def _uptime() -> float | None:
+    try:
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_kernel_log(
+    max_records: int = KMSG_MAX_RECORDS, since: float | None = None
+) -> list[str] | None:
+    """The kernel log's newest messages (``/dev/kmsg``, read without blocking), those logged at
+    ``since`` (wall clock) or later when given; None when it cannot be read here (no
+    permission: ``dmesg_restrict``, a container)."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    out: list[str] = []
+    after = None  # `since` in the log's clock: microseconds since boot
+    up = _uptime() if since is not None else None
+    if since is not None and up is not None:
+        after = (since - (time.time() - up)) * 1e6
+    out: deque[str] = deque(maxlen=max_records)  # the newest
     try:
-        while len(out) < max_records:
+        for _ in range(1_000_000):  # the ring holds far fewer: a bound, never reached
             try:
                 rec = os.read(fd, 8192)
             except OSError as exc:
@@ -282,19 +299,26 @@ def read_kernel_log(max_records: int = KMSG_MAX_RECORDS) -> list[str] | None:
                     continue
                 if exc.errno == errno.EAGAIN:
                     break
-                return out or None
+                return list(out) or None
             if not rec:
                 break
-            _prefix, _, msg = rec.decode("utf-8", "replace").partition(";")
+            prefix, _, msg = rec.decode("utf-8", "replace").partition(";")
+            if after is not None:
+                fields = prefix.split(",")
+                if len(fields) > 2 and fields[2].isdigit() and int(fields[2]) < after:
+                    continue
             out.append(msg.split("\n", 1)[0])
     finally:
         os.close(fd)
-    return out
+    return list(out)
 
 
-def kernel_kill(pid: int, memcg: str | None = None) -> tuple[bool, KernelKill | None]:
-    """(whether the kernel log could be read, its record of the kill of ``pid``)."""
-    lines = read_kernel_log()
+def kernel_kill(
+    pid: int, memcg: str | None = None, since: float | None = None
+) -> tuple[bool, KernelKill | None]:
+    """(whether the kernel log could be read, its record of the kill of ``pid`` at ``since``
+    (wall clock) or later, see `parse_kernel_log`)."""
+    lines = read_kernel_log(since=since)
     if lines is None:
         return False, None
     return True, parse_kernel_log(lines, pid, memcg)

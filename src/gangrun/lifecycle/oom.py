@@ -9,11 +9,14 @@ figures, from what the host offers once the rank is dead:
   ``memory.oom_control``) rose since that sample: certain; its limit and peak are the figures;
 - the last sample alone: resident memory near the limit says "probably".
 
-Nothing of the host is read unless a rank died of SIGKILL.
+The same for a rank that raised because one of its DataLoader workers died
+(`explain_worker`: torch's "DataLoader worker (pid N) is killed by signal: Killed"). Nothing
+of the host is read unless a rank died of SIGKILL or so.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..host import memory as host
@@ -21,6 +24,7 @@ from ..wire import memory as memory_file
 from ..wire.memory import MemorySample, fmt_bytes
 
 NEAR_LIMIT = 0.85  # a last sample at this share of the limit or more: "probably"
+SAMPLE_SLACK_S = 5.0  # a kill logged up to this long before the rank's last sample is its
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,13 @@ def judge(
     last: MemorySample | None,
     kernel: host.KernelKill | None,
     now: host.CgroupMemory | None,
+    kernel_log_read: bool = False,
 ) -> OomVerdict | None:
-    """The verdict from the facts (pure: tests give them): the rank's last memory sample, the kernel log's record of the kill, its memory cgroup's figures now."""
+    """The verdict from the facts (pure: tests give them): the rank's last memory sample,
+    the kernel log's record of the kill, its memory cgroup's figures now, whether the kernel
+    log could be read at all. A kernel log that was read and records no kill of the rank
+    rules the out-of-memory killer out (a rise of the cgroup's counter, which the other
+    processes of the cgroup share, is then another process's kill)."""
     cgroup = last.cgroup if last is not None else None
     limit = now.limit if now is not None and now.limit else (last.limit if last else None)
     rose = (
@@ -85,6 +94,8 @@ def judge(
             return OomVerdict(True, kernel.rss, ram, "", "the kernel log")
         where = kernel.limited_by or kernel.memcg or cgroup
         return OomVerdict(True, kernel.rss, limit, where, "the kernel log", peak)
+    if kernel_log_read:
+        return None
     if rose:
         assert now is not None and last is not None
         rss = max(v for v in (now.peak, last.rss) if v is not None)
@@ -100,15 +111,53 @@ def explain(run_dir: str | None, rank: int, pid: int | None) -> OomVerdict | Non
     last = memory_file.read(run_dir, rank) if run_dir else None
     if pid is None and last is not None:
         pid = last.pid
-    memcg = last.cgroup if last is not None else None
-    kernel = host.kernel_kill(pid, memcg)[1] if pid is not None else None
-    now = None
-    if last is not None and last.cgroup is not None and last.cgroup_version is not None:
-        cg = host.Cgroup(
-            last.cgroup, last.cgroup_version, host.cgroup_path(last.cgroup_version, last.cgroup)
-        )
-        now = host.cgroup_memory(cg)
-    return judge(last, kernel, now)
+    memcg, since = _where_and_since(last)
+    read, kernel = host.kernel_kill(pid, memcg, since) if pid is not None else (False, None)
+    return judge(last, kernel, now=_cgroup_now(last), kernel_log_read=read)
+
+
+# torch's words for a DataLoader worker that died: its SIGCHLD handler's, its timeout's
+_WORKER = re.compile(
+    r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
+    r"(?:is killed by signal: Killed|exited unexpectedly)"
+)
+
+
+def worker_pids(message: str) -> list[int]:
+    """The pids of the DataLoader workers whose death torch's ``message`` reports."""
+    m = _WORKER.search(message)
+    return [int(p) for p in re.findall(r"\d+", m.group(1))] if m else []
+
+
+def explain_worker(run_dir: str | None, rank: int, message: str) -> str | None:
+    """For a rank that raised because a DataLoader worker of its died: the sentence that says
+    the out-of-memory killer killed that worker, with figures (None: nothing says so)."""
+    pids = worker_pids(message)
+    if not pids:
+        return None
+    last = memory_file.read(run_dir, rank) if run_dir else None
+    now = _cgroup_now(last)
+    for pid in pids:
+        read, kernel = host.kernel_kill(pid, *_where_and_since(last))
+        v = judge(last, kernel, now, read)
+        if v is not None:
+            return f"{v.text(f'Its DataLoader worker (pid {pid})')}. {what_to_do(v)}"
+    return None
+
+
+def _where_and_since(last: MemorySample | None) -> tuple[str | None, float | None]:
+    """The rank's memory cgroup and since when a kill can be its own: from a little before
+    its last sample (an older kill in a shared cgroup is another process's)."""
+    if last is None:
+        return None, None
+    return last.cgroup, last.time - SAMPLE_SLACK_S
+
+
+def _cgroup_now(last: MemorySample | None) -> host.CgroupMemory | None:
+    if last is None or last.cgroup is None or last.cgroup_version is None:
+        return None
+    path = host.cgroup_path(last.cgroup_version, last.cgroup)
+    return host.cgroup_memory(host.Cgroup(last.cgroup, last.cgroup_version, path))
 
 
 def what_to_do(v: OomVerdict) -> str:
@@ -120,4 +169,12 @@ def what_to_do(v: OomVerdict) -> str:
     )
 
 
-__all__ = ["NEAR_LIMIT", "OomVerdict", "explain", "judge", "what_to_do"]
+__all__ = [
+    "NEAR_LIMIT",
+    "OomVerdict",
+    "explain",
+    "explain_worker",
+    "judge",
+    "what_to_do",
+    "worker_pids",
+]

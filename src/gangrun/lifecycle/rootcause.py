@@ -222,6 +222,16 @@ def _oom_verdict(run_dir: str | None, rank: int, pid: int | None) -> OomVerdict 
         return None
 
 
+def _worker_oom(run_dir: str | None, rank: int, message: str) -> str | None:
+    from .oom import explain_worker
+
+    try:
+        return explain_worker(run_dir, rank, message)
+    except Exception:  # the host's files are odd: torch's words stay alone
+        log.debug("no out-of-memory verdict for rank %s's worker", rank, exc_info=True)
+        return None
+
+
 def build_error(
     cause: Candidate,
     failures: dict[int, RankFailure],
@@ -247,6 +257,8 @@ def build_error(
         body = log_tail
     elif f.exc_type is not None and f.exc_type != "SystemExit":
         head = f"{who} failed: {f.exc_type}: {f.message}"
+        worker = _worker_oom(run_dir, rank, f.message) if "DataLoader worker" in head else None
+        head += f"\n{worker}" if worker else ""
         body = f.traceback or ""
     elif f.exc_type is not None:
         head = f"{who} exited with code {f.exitcode} (sys.exit)."
