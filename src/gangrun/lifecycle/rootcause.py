@@ -257,7 +257,9 @@ def build_error(
         body = log_tail
     elif f.exc_type is not None and f.exc_type != "SystemExit":
         head = f"{who} failed: {f.exc_type}: {f.message}"
-        worker = _worker_oom(run_dir, rank, f.message) if "DataLoader worker" in head else None
+        worker = None
+        if "DataLoader worker" in head and not f.node:
+            worker = _worker_oom(run_dir, rank, f.message)
         head += f"\n{worker}" if worker else ""
         body = f.traceback or ""
     elif f.exc_type is not None:
@@ -265,7 +267,9 @@ def build_error(
         body = log_tail
     elif f.signal is not None:
         hint = ""
-        oom = _oom_verdict(run_dir, rank, pid) if f.signal == "SIGKILL" else None
+        # this node's kernel log and cgroups say nothing of a rank on another node
+        here = f.signal == "SIGKILL" and not f.node
+        oom = _oom_verdict(run_dir, rank, pid) if here else None
         if f.signal == "SIGKILL":
             hint = " (no out-of-memory kill of it is on record here: check `dmesg`)"
         elif f.signal == "SIGSEGV":
