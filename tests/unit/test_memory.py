@@ -231,6 +231,52 @@ def test_a_cuda_out_of_memory_error_names_the_device_and_its_figures():
     assert rank_memory.cuda_oom_note(OutOfMemoryError("CUDA out of memory. GPU 0")) is None
 
 
+class _FakeCuda:
+    """A GPU's figures (the GPU is the one thing a stand-in may replace here)."""
+
+    def is_initialized(self):
+        return True
+
+    def device_count(self):
+        return 2
+
+    def current_device(self):
+        return 0  # a thread's own current device: not the rank's
+
+    def memory_allocated(self, dev):
+        return (dev + 1) * GiB
+
+    def memory_reserved(self, dev):
+        return (dev + 2) * GiB
+
+    def get_device_properties(self, dev):
+        import types
+
+        return types.SimpleNamespace(total_memory=80 * GiB)
+
+
+def test_the_sample_and_a_cuda_oom_read_the_ranks_device(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=_FakeCuda()))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    s = rank_memory.sample(1)
+    assert (s.cuda_device, s.cuda_allocated, s.cuda_reserved) == (1, 2 * GiB, 3 * GiB)
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    exc = OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB. GPU 1 has a total ...")
+    assert rank_memory.cuda_oom_note(exc) == rank_memory.format_cuda_oom(
+        1, 2 * GiB, 3 * GiB, 80 * GiB
+    )
+    # torch imported but CUDA never used: no figures, and CUDA is not initialized by asking
+    monkeypatch.setattr(_FakeCuda, "is_initialized", lambda self: False)
+    assert rank_memory.sample(1).cuda_allocated is None
+    assert rank_memory.cuda_oom_note(exc) is None
+
+
 @pytest.mark.parametrize("n", [0, 1])
 def test_the_error_record_of_a_cuda_oom_carries_the_figures(monkeypatch, n):
     """The rank's error path appends the note (the device's figures: a GPU is a stand-in)."""

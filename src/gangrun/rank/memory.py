@@ -29,10 +29,10 @@ INTERVAL_S = 1.0
 
 def _cuda() -> tuple[int | None, int | None, int | None]:
     """(device, allocated, reserved) of the current CUDA device, when this rank uses one."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
+    torch: Any = sys.modules.get("torch")  # never imported here: only a rank's own
     try:
-        if cuda is None or not cuda.is_initialized():
+        cuda = torch.cuda  # AttributeError: no torch, or torch still being imported
+        if not cuda.is_initialized():
             return None, None, None
         # this thread's current device is not the rank's (it is per thread): LOCAL_RANK's is
         # the one `gangrun.device()` made current
