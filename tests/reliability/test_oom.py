@@ -125,7 +125,7 @@ def test_a_rank_killed_by_the_out_of_memory_killer_is_named_with_its_figures(
     """With the kernel log closed to the caller (``dmesg_restrict``, a container: the only
     stand-in here), the cgroup's oom_kill counter alone makes the verdict certain."""
     if kernel_log == "closed":
-        monkeypatch.setattr(host, "read_kernel_log", lambda: None)
+        monkeypatch.setattr(host, "read_kernel_log", lambda *args, **kwargs: None)
     path, name = memory_cgroup.path, memory_cgroup.name
     fn = gangrun.distributed(processes=2, timeout=120)(outgrows_its_cgroup)
     ready = tmp_path / "ready"

@@ -131,6 +131,10 @@ def test_the_rank_nearest_its_limit_and_byte_figures():
 
 
 def test_the_rank_samples_its_own_memory_and_cgroup():
+    first = rank_memory.sample(3)
+    assert first.growth is None
+    grown = MemorySample(**{**first.to_dict(), "rss": first.rss - 64 * MiB, "time": first.time - 1})
+    assert rank_memory.sample(3, before=grown).growth > 0
     s = rank_memory.sample(3)
     assert s.rank == 3 and s.pid == os.getpid() and s.rss > MiB and s.limit
     assert s.cuda_allocated is None  # no CUDA initialized in this process
@@ -184,6 +188,15 @@ def test_only_the_memory_trend_says_probably_and_nothing_says_none():
         "sampled at 290 MiB resident of a 300 MiB limit (memory cgroup /jobs/a/rank1)"
     )
     assert "`dmesg`" in oom.what_to_do(near)
+    # the trend: 200 MiB growing 100 MiB/s, dead a second later, had reached the limit
+    growing = MemorySample(1, 4242, 10.0, 200 * MiB, 300 * MiB, "/c", 1, 0, growth=100 * MiB)
+    assert oom.judge(growing, None, None) is None  # when it died unknown: 200 MiB is far
+    v = oom.judge(growing, None, None, died_at=11.0)
+    assert v is not None and not v.certain
+    assert v.text("rank 1").endswith(
+        "last sampled at 200 MiB resident of a 300 MiB limit, growing 100 MiB/s (memory cgroup /c)"
+    )
+    assert growing.rss_at(9.0) == growing.rss and growing.rss_at(10.5) == 250 * MiB
     # the kernel log was read and records no kill of it: another process's kill in a shared
     # cgroup raised the counter, and near its limit is not enough either
     rose = host.CgroupMemory(300 * MiB, 0, 0, 1)

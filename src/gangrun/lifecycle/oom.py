@@ -38,6 +38,7 @@ class OomVerdict:
     cgroup: str | None  # the memory cgroup whose limit applied ("" : the machine's memory)
     evidence: str  # where the verdict comes from, in words
     peak: int | None = None  # bytes: the cgroup's peak use (its processes, its page cache)
+    growth: float | None = None  # bytes per second at the last sample (a probable verdict)
 
     def text(self, who: str) -> str:
         """``<who> was killed by the out-of-memory killer: 11.2 GiB resident of a 12 GiB
@@ -64,6 +65,8 @@ class OomVerdict:
         if self.certain:
             return f"{who} was killed by the out-of-memory killer{figures}{where}"
         figures = figures.replace(": ", ": last sampled at ", 1)
+        if figures and self.growth and self.growth > 0:
+            figures += f", growing {fmt_bytes(self.growth)}/s"
         return f"{who} was killed by SIGKILL, probably by the out-of-memory killer{figures}{where}"
 
 
@@ -72,10 +75,12 @@ def judge(
     kernel: host.KernelKill | None,
     now: host.CgroupMemory | None,
     kernel_log_read: bool = False,
+    died_at: float | None = None,
 ) -> OomVerdict | None:
     """The verdict from the facts (pure: tests give them): the rank's last memory sample,
     the kernel log's record of the kill, its memory cgroup's figures now, whether the kernel
-    log could be read at all. A kernel log that was read and records no kill of the rank
+    log could be read at all, when the rank died (its last sample's growth carried on to
+    then may reach the limit: "probably"). A kernel log that was read and records no kill of the rank
     rules the out-of-memory killer out (a rise of the cgroup's counter, which the other
     processes of the cgroup share, is then another process's kill)."""
     cgroup = last.cgroup if last is not None else None
@@ -100,20 +105,26 @@ def judge(
         assert now is not None and last is not None
         rss = max(v for v in (now.peak, last.rss) if v is not None)
         return OomVerdict(True, rss, limit, cgroup, "the memory cgroup's oom_kill counter", peak)
-    if last is not None and last.limit and last.rss >= NEAR_LIMIT * last.limit:
-        return OomVerdict(False, last.rss, last.limit, cgroup, "its last memory sample")
+    if last is not None and last.limit:
+        reach = last.rss_at(died_at) if died_at is not None else last.rss
+        if reach >= NEAR_LIMIT * last.limit:
+            return OomVerdict(
+                False, last.rss, last.limit, cgroup, "its last memory sample", growth=last.growth
+            )
     return None
 
 
-def explain(run_dir: str | None, rank: int, pid: int | None) -> OomVerdict | None:
-    """The verdict on rank ``rank`` (pid ``pid``), dead of SIGKILL, or None (nothing says
-    it was the out-of-memory killer)."""
+def explain(
+    run_dir: str | None, rank: int, pid: int | None, died_at: float | None = None
+) -> OomVerdict | None:
+    """The verdict on rank ``rank`` (pid ``pid``), dead of SIGKILL at ``died_at`` (wall
+    clock), or None (nothing says it was the out-of-memory killer)."""
     last = memory_file.read(run_dir, rank) if run_dir else None
     if pid is None and last is not None:
         pid = last.pid
     memcg, since = _where_and_since(last)
     read, kernel = host.kernel_kill(pid, memcg, since) if pid is not None else (False, None)
-    return judge(last, kernel, now=_cgroup_now(last), kernel_log_read=read)
+    return judge(last, kernel, _cgroup_now(last), read, died_at)
 
 
 # torch's words for a DataLoader worker that died: its SIGCHLD handler's, its timeout's

@@ -212,11 +212,13 @@ def tail(path: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _oom_verdict(run_dir: str | None, rank: int, pid: int | None) -> OomVerdict | None:
+def _oom_verdict(
+    run_dir: str | None, rank: int, pid: int | None, died_at: float
+) -> OomVerdict | None:
     from .oom import explain
 
     try:
-        return explain(run_dir, rank, pid)
+        return explain(run_dir, rank, pid, died_at)
     except Exception:  # the host's files are odd: the plain SIGKILL text stays
         log.debug("no out-of-memory verdict for rank %s", rank, exc_info=True)
         return None
@@ -269,7 +271,7 @@ def build_error(
         hint = ""
         # this node's kernel log and cgroups say nothing of a rank on another node
         here = f.signal == "SIGKILL" and not f.node
-        oom = _oom_verdict(run_dir, rank, pid) if here else None
+        oom = _oom_verdict(run_dir, rank, pid, cause.exit.time) if here else None
         if f.signal == "SIGKILL":
             hint = " (no out-of-memory kill of it is on record here: check `dmesg`)"
         elif f.signal == "SIGSEGV":

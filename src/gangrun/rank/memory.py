@@ -42,10 +42,15 @@ def _cuda() -> tuple[int | None, int | None, int | None]:
         return None, None, None
 
 
-def sample(rank: int, pid: int | None = None) -> MemorySample:
-    """Rank ``rank``'s memory now (``pid``: the rank's process, default this one)."""
+def sample(rank: int, pid: int | None = None, before: MemorySample | None = None) -> MemorySample:
+    """Rank ``rank``'s memory now (``pid``: the rank's process, default this one); with the
+    sample ``before`` it, how fast its resident memory grew since."""
     pid = os.getpid() if pid is None else pid
+    now = time.time()
     rss = host.tree_rss(pid) or 0
+    growth = None
+    if before is not None and now > before.time:
+        growth = (rss - before.rss) / (now - before.time)
     cg = host.memory_cgroup(pid)
     figures = host.cgroup_memory(cg) if cg is not None else None
     limit = figures.limit if figures is not None else None
@@ -53,7 +58,7 @@ def sample(rank: int, pid: int | None = None) -> MemorySample:
     return MemorySample(
         rank=rank,
         pid=pid,
-        time=time.time(),
+        time=now,
         rss=rss,
         limit=limit if limit is not None else host.machine_ram(),
         cgroup=cg.name if cg is not None else None,
@@ -62,16 +67,18 @@ def sample(rank: int, pid: int | None = None) -> MemorySample:
         cuda_device=dev,
         cuda_allocated=allocated,
         cuda_reserved=reserved,
+        growth=growth,
     )
 
 
-def _loop(fd: int, rank: int, interval: float) -> None:
+def _loop(fd: int, rank: int, interval: float, last: MemorySample) -> None:
     while True:
+        time.sleep(interval)
         try:
-            memory_file.write(fd, sample(rank))
+            last = sample(rank, before=last)
+            memory_file.write(fd, last)
         except Exception:  # the run directory is gone (the call is ending): stop sampling
             return
-        time.sleep(interval)
 
 
 def start(run_dir: str, rank: int, interval: float = INTERVAL_S) -> bool:
@@ -80,9 +87,10 @@ def start(run_dir: str, rank: int, interval: float = INTERVAL_S) -> bool:
         fd = memory_file.open_for_writing(run_dir, rank)
     except OSError:
         return False
-    memory_file.write(fd, sample(rank))  # the first at once: a rank that dies early has one
+    first = sample(rank)
+    memory_file.write(fd, first)  # at once: a rank that dies early has one
     threading.Thread(
-        target=_loop, args=(fd, rank, interval), name="gangrun-memory", daemon=True
+        target=_loop, args=(fd, rank, interval, first), name="gangrun-memory", daemon=True
     ).start()
     return True
 

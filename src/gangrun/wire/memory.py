@@ -37,6 +37,14 @@ class MemorySample:
     cuda_device: int | None = None
     cuda_allocated: int | None = None  # bytes (torch.cuda.memory_allocated)
     cuda_reserved: int | None = None  # bytes (torch.cuda.memory_reserved)
+    growth: float | None = None  # bytes per second of rss since the sample before
+
+    def rss_at(self, when: float) -> int:
+        """Its resident memory at ``when`` if it went on growing as it did (never less than
+        sampled)."""
+        if not self.growth or self.growth < 0 or when <= self.time:
+            return self.rss
+        return int(self.rss + self.growth * (when - self.time))
 
     @property
     def share(self) -> float | None:
