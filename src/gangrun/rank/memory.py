@@ -71,14 +71,15 @@ def sample(rank: int, pid: int | None = None, before: MemorySample | None = None
     )
 
 
-def _loop(fd: int, rank: int, interval: float, last: MemorySample) -> None:
+def _loop(fd: int, rank: int, interval: float) -> None:
+    last = None
     while True:
-        time.sleep(interval)
         try:
             last = sample(rank, before=last)
             memory_file.write(fd, last)
         except Exception:  # the run directory is gone (the call is ending): stop sampling
             return
+        time.sleep(interval)
 
 
 def start(run_dir: str, rank: int, interval: float = INTERVAL_S) -> bool:
@@ -87,10 +88,9 @@ def start(run_dir: str, rank: int, interval: float = INTERVAL_S) -> bool:
         fd = memory_file.open_for_writing(run_dir, rank)
     except OSError:
         return False
-    first = sample(rank)
-    memory_file.write(fd, first)  # at once: a rank that dies early has one
+    # the first sample at once, on the thread: nothing of it on the rank's way to its function
     threading.Thread(
-        target=_loop, args=(fd, rank, interval, first), name="gangrun-memory", daemon=True
+        target=_loop, args=(fd, rank, interval), name="gangrun-memory", daemon=True
     ).start()
     return True
 
