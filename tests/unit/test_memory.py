@@ -344,6 +344,13 @@ def test_the_panel_rows_show_each_ranks_memory_and_the_nearest_limit():
     # the nearest rank far from its limit is not marked
     calm = html.render_panel(st.snapshot, progress=Progress(memory={0: far}))
     assert "data-nearest-limit" not in calm
+    # the progress line (the panel's header, `gangrun run`'s status line) says it too
+    from gangrun.progress_view import summary_line
+
+    assert summary_line(Progress(step=3, memory={0: far, 1: near})) == (
+        "step 3 · memory: rank 1 at 93% of its limit"
+    )
+    assert summary_line(Progress(step=3, memory={0: far})) == "step 3"
 
 
 def test_the_watch_reads_the_ranks_samples_into_the_progress(tmp_path):

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import TYPE_CHECKING, Protocol
 
-from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
+from ..progress_view import NEAR_LIMIT_SHARE, Progress, fmt_duration, fmt_rate, summary_line
 from ..wire.memory import nearest_limit
 from ..wire.security import redact
 from . import charts
@@ -114,7 +114,7 @@ def _memory_cell(v: RankView, progress: Progress | None) -> tuple[str, str]:
     attrs = f' data-rss="{mem.rss}"' + (f' data-limit="{mem.limit}"' if mem.limit else "")
     text = escape(mem.text())
     near = nearest_limit(progress.memory) if progress is not None else None
-    if near is not None and near[0] == v.rank and (mem.share or 0) >= 0.8:
+    if near is not None and near[0] == v.rank and (mem.share or 0) >= NEAR_LIMIT_SHARE:
         attrs += " data-nearest-limit"
         text = f'<span style="color:#d62728;font-weight:bold">{text}</span>'
     return attrs, text
