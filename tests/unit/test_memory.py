@@ -83,7 +83,11 @@ def test_the_kernel_log_names_the_killed_pid_its_memory_and_cgroup():
         "[  362.7] Out of memory: Killed process 77 (python) total-vm:9kB, anon-rss:2048kB, "
         "file-rss:0kB, shmem-rss:0kB",
     ]
-    assert host.parse_kernel_log(system, 77) == host.KernelKill(77, 2 * MiB, "/", None)
+    assert host.parse_kernel_log(system, 77) == host.KernelKill(77, 2 * MiB, "/", "")
+    older = ["Out of memory: Killed process 77 (python) total-vm:9kB, anon-rss:1024kB"]
+    assert host.parse_kernel_log(older, 77) == host.KernelKill(77, MiB, None, "")
+    in_cgroup = ["Memory cgroup out of memory: Killed process 77 (python) anon-rss:1024kB"]
+    assert host.parse_kernel_log(in_cgroup, 77) == host.KernelKill(77, MiB, None, None)
 
 
 def test_this_process_has_a_resident_tree_and_the_machine_ram():
@@ -174,7 +178,7 @@ def test_the_cgroup_counter_alone_makes_it_certain_and_says_a_shared_peak():
     # the rank's resident memory counts pages charged to another cgroup (forked from it)
     shared = oom.judge(_sample(466 * MiB, kills=0), None, host.CgroupMemory(300 * MiB, 0, 0, 1))
     assert shared is not None
-    v = oom.OomVerdict(True, 466 * MiB, 300 * MiB, "/c", "the kernel log", peak=300 * MiB)
+    v = oom.OomVerdict(True, 466 * MiB, 300 * MiB, "/c", peak=300 * MiB)
     assert v.text("rank 1").endswith(
         "466 MiB resident of a 300 MiB limit (memory cgroup /c; 300 MiB charged to it at the peak)"
     )

@@ -243,7 +243,10 @@ def parse_kernel_log(lines: list[str], pid: int, memcg: str | None = None) -> Ke
     for line in lines:
         m = _OOM_KILL.search(line)
         if m:
-            kv = dict(p.split("=", 1) for p in m.group(1).split(",") if "=" in p)
+            tokens = m.group(1).split(",")
+            kv = dict(p.split("=", 1) for p in tokens if "=" in p)
+            if "global_oom" in tokens or kv.get("constraint") == "CONSTRAINT_NONE":
+                kv.setdefault("oom_memcg", "/")  # the machine ran out
             if "pid" in kv:
                 context[kv["pid"]] = kv
             continue
@@ -254,6 +257,8 @@ def parse_kernel_log(lines: list[str], pid: int, memcg: str | None = None) -> Ke
         rss = sum(int(v) for _, v in parts) * 1024 if parts else None
         kv = context.get(k.group(1), {})
         oom_memcg = kv.get("oom_memcg")
+        if oom_memcg is None and line.lstrip("[]0123456789. ").startswith("Out of memory"):
+            oom_memcg = "/"  # an older kernel's words for the machine running out
         kill = KernelKill(
             int(k.group(1)),
             rss,

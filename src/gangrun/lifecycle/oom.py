@@ -24,19 +24,18 @@ from ..wire import memory as memory_file
 from ..wire.memory import MemorySample, fmt_bytes
 
 NEAR_LIMIT = 0.85  # a last sample at this share of the limit or more: "probably"
-SAMPLE_SLACK_S = 5.0  # a kill logged up to this long before the rank's last sample is its
+SAMPLE_SLACK_S = 5.0  # kills logged from this long before the rank's last sample on count
 
 
 @dataclass(frozen=True)
 class OomVerdict:
     """What the host says of a SIGKILL: ``certain`` (the kernel log or the cgroup's counter
-    recorded the kill) or probable (only the memory trend); the figures."""
+    recorded the kill) or probable (only the memory trend), and the figures."""
 
     certain: bool
     rss: int | None  # bytes resident at the kill (or the cgroup's peak, or the last sample)
     limit: int | None  # bytes
     cgroup: str | None  # the memory cgroup whose limit applied ("" : the machine's memory)
-    evidence: str  # where the verdict comes from, in words
     peak: int | None = None  # bytes: the cgroup's peak use (its processes, its page cache)
     growth: float | None = None  # bytes per second at the last sample (a probable verdict)
 
@@ -79,10 +78,10 @@ def judge(
 ) -> OomVerdict | None:
     """The verdict from the facts (pure: tests give them): the rank's last memory sample,
     the kernel log's record of the kill, its memory cgroup's figures now, whether the kernel
-    log could be read at all, when the rank died (its last sample's growth carried on to
-    then may reach the limit: "probably"). A kernel log that was read and records no kill of the rank
-    rules the out-of-memory killer out (a rise of the cgroup's counter, which the other
-    processes of the cgroup share, is then another process's kill)."""
+    log could be read at all, and when the rank died (the last sample's growth carried on to
+    then may reach the limit: "probably"). A kernel log that was read and records no kill of
+    the rank rules the out-of-memory killer out (a rise of the cgroup's counter, which the
+    other processes of the cgroup share, is then another process's kill)."""
     cgroup = last.cgroup if last is not None else None
     limit = now.limit if now is not None and now.limit else (last.limit if last else None)
     rose = (
@@ -96,21 +95,19 @@ def judge(
     if kernel is not None:
         if kernel.limited_by == "":  # the whole machine ran out
             ram = host.machine_ram()
-            return OomVerdict(True, kernel.rss, ram, "", "the kernel log")
+            return OomVerdict(True, kernel.rss, ram, "")
         where = kernel.limited_by or kernel.memcg or cgroup
-        return OomVerdict(True, kernel.rss, limit, where, "the kernel log", peak)
+        return OomVerdict(True, kernel.rss, limit, where, peak)
     if kernel_log_read:
         return None
     if rose:
         assert now is not None and last is not None
         rss = max(v for v in (now.peak, last.rss) if v is not None)
-        return OomVerdict(True, rss, limit, cgroup, "the memory cgroup's oom_kill counter", peak)
+        return OomVerdict(True, rss, limit, cgroup, peak)
     if last is not None and last.limit:
         reach = last.rss_at(died_at) if died_at is not None else last.rss
         if reach >= NEAR_LIMIT * last.limit:
-            return OomVerdict(
-                False, last.rss, last.limit, cgroup, "its last memory sample", growth=last.growth
-            )
+            return OomVerdict(False, last.rss, last.limit, cgroup, growth=last.growth)
     return None
 
 
