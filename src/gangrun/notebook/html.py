@@ -124,7 +124,7 @@ def _rank_row(v: RankView, progress: Progress | None, live: bool) -> str:
     mem_attrs, mem = _memory_cell(v, progress)
     rp = progress.ranks.get(v.rank) if progress is not None else None
     step = rate = note = ""
-    attrs = mem_attrs
+    attrs = ""
     if rp is not None:
         if rp.step is not None:
             step = f"{rp.step}" + (f"/{rp.total}" if rp.total else "")
@@ -140,6 +140,7 @@ def _rank_row(v: RankView, progress: Progress | None, live: bool) -> str:
                 f'<span style="color:#d62728;font-weight:bold">silent '
                 f"{fmt_duration(rp.silent_for)}</span> (<code>handle.stacks()</code> shows where) "
             )
+    attrs += mem_attrs
     return (
         f'<tr class="gangrun-rank" data-rank="{v.rank}" data-state="{escape(v.state)}"{attrs}>'
         f"<td {_TD}>rank {v.rank}</td><td {_TD}>{_badge(v.state)}</td>"
