@@ -125,6 +125,8 @@ def test_a_rank_killed_by_the_out_of_memory_killer_is_named_with_its_figures(
     """With the kernel log closed to the caller (``dmesg_restrict``, a container: the only
     stand-in here), the cgroup's oom_kill counter alone makes the verdict certain."""
     if kernel_log == "closed":
+        if host.cgroup_memory(memory_cgroup).oom_kills is None:
+            pytest.skip("this kernel's memory cgroup has no oom_kill counter (before 4.13)")
         monkeypatch.setattr(host, "read_kernel_log", lambda *args, **kwargs: None)
     path, name = memory_cgroup.path, memory_cgroup.name
     fn = gangrun.distributed(processes=2, timeout=120)(outgrows_its_cgroup)
@@ -156,7 +158,7 @@ def test_a_rank_killed_by_the_out_of_memory_killer_is_named_with_its_figures(
         assert 0.8 * LIMIT <= _bytes(m.group(5)) <= 1.05 * LIMIT, head
     assert "The other rank(s) [0] were stopped." in msg, msg
     assert err.failures[1].signal == "SIGKILL"
-    assert host.cgroup_memory(memory_cgroup).oom_kills == 1
+    assert host.cgroup_memory(memory_cgroup).oom_kills in (None, 1)
     assert_no_survivors()
 
 
