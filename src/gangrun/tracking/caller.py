@@ -246,10 +246,13 @@ class Tracker:
         from .memory import RankMemoryMonitor
 
         mon = self._monitor
-        if mon is not None and not any(
-            isinstance(m, RankMemoryMonitor) and m.run_dir == run_dir for m in mon.monitors
-        ):
-            mon.monitors.append(RankMemoryMonitor(run_dir, world_size))
+        try:
+            if mon is not None and not any(
+                isinstance(m, RankMemoryMonitor) and m.run_dir == run_dir for m in mon.monitors
+            ):
+                mon.monitors.append(RankMemoryMonitor(run_dir, world_size))
+        except AttributeError as exc:  # an MLflow whose monitor keeps no list of monitors
+            log.debug("the ranks' memory is not among the system metrics: %s", exc)
 
     # ------------------------------------------------------------------ ranks
     def rank_env(self) -> dict[str, str]:
