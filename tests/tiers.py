@@ -41,6 +41,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "reliability/test_disk_and_forkserver.py": (),
     "reliability/test_launch_items.py": (),
     "reliability/test_one_writer.py": (),
+    "reliability/test_oom.py": (),
     "reliability/test_refused_resume.py": (),
     "reliability/test_restart_and_hang.py": (),
     "reliability/test_restart_rules.py": (),
@@ -58,6 +59,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "system/test_elastic_data.py": (),
     "system/test_quiet_output.py": (),
     "system/test_first_steps.py": (),
+    "system/test_memory_view.py": (),
     "system/test_first_steps.py::test_first_call_after_prewarm_imports_nothing_in_the_kernel": (
         "kernel",
     ),

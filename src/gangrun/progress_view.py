@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .wire.memory import MemorySample, nearest_limit
+
+NEAR_LIMIT_SHARE = 0.8  # the rank nearest its memory limit is marked from this share on
+
 
 @dataclass(frozen=True)
 class RankProgress:
@@ -33,6 +37,8 @@ class Progress:
     resumed_from: int | None = None  # the step this attempt's restore resumed at
     resumed_world: int | None = None  # the ranks that saved it, when another number
     ranks: dict[int, RankProgress] = field(default_factory=dict)
+    # every live rank's last memory sample: resident memory of its tree, limit, CUDA
+    memory: dict[int, MemorySample] = field(default_factory=dict)
 
     @property
     def reported(self) -> bool:
@@ -61,8 +67,9 @@ def fmt_rate(rate: float | None) -> str:
 
 
 def summary_line(p: Progress) -> str:
-    """``step 120/1000 (12%) · 3.2 steps/s · ETA 4m35s · slow: rank 1 (0.45x)`` ('' when no
-    rank reports)."""
+    """``step 120/1000 (12%) · 3.2 steps/s · ETA 4m35s · slow: rank 1 (0.45x)``, then
+    ``memory: rank 1 at 93% of its limit`` once a rank is that near ('' when no rank
+    reports)."""
     if p.step is None:
         return ""
     parts = [f"step {p.step}" + (f"/{p.total}" if p.total else "")]
@@ -80,6 +87,9 @@ def summary_line(p: Progress) -> str:
         parts.append(
             "silent: " + ", ".join(f"rank {r} ({fmt_duration(s)})" for r, s in p.silent.items())
         )
+    near = nearest_limit(p.memory)
+    if near is not None and (near[1].share or 0) >= NEAR_LIMIT_SHARE:
+        parts.append(f"memory: rank {near[0]} at {100 * (near[1].share or 0):.0f}% of its limit")
     return " · ".join(parts)
 
 

@@ -294,3 +294,51 @@ def saves_then_killed(log: str) -> None:
         state["w"] += 1
         if step == 4:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def outgrows_its_cgroup(procs_file: str, settle: float, ready_file: str) -> int:
+    """Rank 1 moves itself into the memory cgroup of ``procs_file`` (its ``cgroup.procs``),
+    waits ``settle`` seconds (its memory sampler sees the cgroup), then touches 16 MiB more
+    every 20 ms until the out-of-memory killer kills it; rank 0 sleeps."""
+    if os.environ["RANK"] != "1":
+        time.sleep(120)
+        return 0
+    with open(procs_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(settle)
+    with open(ready_file, "w") as f:
+        f.write(str(os.getpid()))
+    held = []
+    for _ in range(4096):  # 64 GiB: far past any limit the test sets
+        held.append(b"\x01" * (16 << 20))  # written: every page resident
+        time.sleep(0.02)
+    return len(held)
+
+
+class _Grows:
+    """A data set whose first item grows by 16 MiB every 20 ms, without end."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        held = []
+        for _ in range(4096):
+            held.append(b"\x01" * (16 << 20))
+            time.sleep(0.02)
+        return len(held)
+
+
+def worker_outgrows_its_cgroup(procs_file: str, settle: float) -> int:
+    """Rank 1 moves itself into the memory cgroup of ``procs_file`` and waits ``settle``
+    seconds; then its DataLoader's one worker (in the cgroup with it) grows until the
+    out-of-memory killer kills it, and the rank raises torch's error; rank 0 sleeps."""
+    if os.environ["RANK"] != "1":
+        time.sleep(120)
+        return 0
+    from torch.utils.data import DataLoader
+
+    with open(procs_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(settle)
+    return sum(len(batch) for batch in DataLoader(_Grows(), num_workers=1))

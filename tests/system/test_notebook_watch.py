@@ -101,6 +101,11 @@ def test_chart_grid_progress_slow_and_silent_ranks_in_the_panel(kernel):
     silent = [p for p in live if re.search(r'data-rank="1"[^>]*data-silent="\d+"', p)]
     assert silent and "handle.stacks()" in silent[-1]
     assert "data-silent" not in final  # frozen: no live marks in the saved notebook
+    # each rank's memory in its row: resident memory of its tree against its limit
+    for r in (0, 1):
+        row = re.compile(rf'data-rank="{r}"[^>]*data-rss="(\d+)" data-limit="(\d+)"')
+        assert any(row.search(p) for p in live), r
+    assert re.search(r"<td [^>]*>[\d.]+ [MG]iB of [\d.]+ [MG]iB \(\d+%\)</td>", live[-1])
 
 
 BUSY = """\

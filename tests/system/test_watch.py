@@ -187,6 +187,17 @@ def test_ps_logs_stacks_stop_against_a_script_call(tmp_path):
             table,
             re.M,
         ), table
+        # each rank's memory: resident memory of its tree against its limit
+        deadline = time.monotonic() + 30
+        while len(rec["memory"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            rec = wait_listed(run.pid)
+            table = cli("ps").stdout
+        memory = {r: m for r, m in rec["memory"].items() if m["pid"] == rec["pids"].get(r)}
+        assert set(memory) == {"0", "1"}, rec
+        assert all(m["rss"] > 1 << 20 and m["limit"] > m["rss"] for m in memory.values())
+        assert re.search(r"^  memory: rank 0  [\d.]+ [MG]iB of [\d.]+ [MG]iB \(\d+%\)", table, re.M)
+        assert re.search(r"^ {10}rank 1  [\d.]+ [MG]iB of ", table, re.M), table
         # logs: one rank, by a prefix of the run id; then every rank, by the MLflow run id
         deadline = time.monotonic() + 30
         while "rank 1 at step 21" not in cli("logs", rid[:6], "--rank", "1").stdout:

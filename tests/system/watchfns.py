@@ -36,3 +36,10 @@ def fail_on(rank_to_fail: int, code: int = 3) -> int:
         raise SystemExit(code)
     time.sleep(30)
     return rank
+
+
+def holds_memory(mib: int, seconds: float) -> int:
+    """Rank 1 holds ``mib`` MiB more (written: resident) for ``seconds``; rank 0 only waits."""
+    held = b"\x01" * (mib << 20) if os.environ["RANK"] == "1" else b""
+    time.sleep(seconds)
+    return len(held)

@@ -35,6 +35,7 @@ WRITERS = [
     "gangrun/rank/stop.py",
     "gangrun/launch/gang.py",  # stop.teardown
     "gangrun/rank/progress.py",  # progress.<rank>
+    "gangrun/rank/memory.py",  # memory.<rank>
     "gangrun/rank/heartbeat.py",  # heartbeat.<rank>
     "gangrun/rank/stacks.py",  # stacks.<rank>
     *sorted(str(p.relative_to(SRC)) for p in WIRE.glob("*.py")),

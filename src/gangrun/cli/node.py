@@ -11,7 +11,8 @@ or the name of its function (``FUNCTION`` column: ``train``, ``fit`` for ``Train
 ambiguous ``RUN`` is a usage error (exit 2) that says what lists the ids, or which calls it
 matches. ``ps --function NAME`` lists only that function's calls. ``ps`` shows,
 under a call's row, the checkpoint location it holds (one writer per location:
-docs/long_runs.md).
+docs/long_runs.md) and each rank's memory (resident memory of its process tree against its
+limit, CUDA allocated/reserved; the rank nearest its limit marked; ``--json``: ``memory``).
 
 ``stop`` asks the caller to cancel the call: the same teardown as ``handle.cancel()`` in the
 caller (every rank and descendant stopped, ``DistributedCancelledError`` naming who stopped
@@ -33,10 +34,13 @@ from typing import Any
 
 from ..wire import call as call_file
 from ..wire import control
+from ..wire import memory as memory_file
 from ..wire.call import CallEntry
+from ..wire.memory import MemorySample
 
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE = 0, 1, 2
 COMMANDS = ("ps", "logs", "stacks", "stop")
+STALE_S = 5.0  # a memory sample older than this says its age (its rank is busy in C code)
 
 
 @dataclass
@@ -188,7 +192,19 @@ def cmd_ps(ns: argparse.Namespace) -> int:
             return EXIT_USAGE
         calls = [c for c in calls if fn in function_names(c.rec.function)]
     if ns.json:
-        print(json.dumps([replace(c.rec, state=c.state).to_dict() for c in calls], indent=2))
+        # each with its ranks' last memory samples by rank ({} once the call ended)
+        print(
+            json.dumps(
+                [
+                    {
+                        **replace(c.rec, state=c.state).to_dict(),
+                        "memory": {str(r): s.to_dict() for r, s in sorted(_memory(c).items())},
+                    }
+                    for c in calls
+                ],
+                indent=2,
+            )
+        )
         return EXIT_OK
     if not calls:
         which = f" of function {fn!r}" if fn is not None else ""
@@ -223,7 +239,30 @@ def cmd_ps(ns: argparse.Namespace) -> int:
         held = call.rec.checkpoint_dir if call is not None and call.running else None
         if held:  # one writer per location: this call holds it (docs/long_runs.md)
             print(f"  checkpoints: {held} (held by this call)")
+        if call is not None:
+            for line in memory_lines(_memory(call), now):
+                print(line)
     return EXIT_OK
+
+
+def _memory(c: CallRef) -> dict[int, MemorySample]:
+    """The running call's ranks' last memory samples."""
+    return memory_file.read_all(c.run_dir, c.rec.world_size or 0) if c.running else {}
+
+
+def memory_lines(samples: dict[int, MemorySample], now: float) -> list[str]:
+    """``  memory: rank 0  1.2 GiB of 12 GiB (10%)`` then one line per other rank, the rank
+    nearest its limit marked; a sample older than `STALE_S` says its age."""
+    near = memory_file.nearest_limit(samples) if len(samples) > 1 else None
+    out = []
+    for i, (r, s) in enumerate(sorted(samples.items())):
+        line = f"{'  memory:' if i == 0 else ' ' * 9} rank {r}  {s.text()}"
+        if now - s.time > STALE_S:
+            line += f" ({_elapsed(now - s.time)} ago)"
+        if near is not None and near[0] == r:
+            line += "  <- nearest its limit"
+        out.append(line)
+    return out
 
 
 def _log_files(c: CallRef, rank: int | None) -> dict[int, str]:

@@ -102,6 +102,7 @@ class RankFiles:
             log_file=self.rundir.log(cause.rank),
             log_dir=self.rundir.logs,
             run_id=self.run_id,
+            run_dir=self.rundir.path,
         )
         if cause.record is None and diskspace.looks_full(self.rundir.path):
             head, sep, rest = str(err).partition("\n")

@@ -31,10 +31,14 @@ import pickle
 import re
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import PEER_ECHO_TEXT, DistributedError, signal_name
 from ..launch import RankExit
 from ..wire.records import ErrorRecord, RankFailure
+
+if TYPE_CHECKING:
+    from .oom import OomVerdict
 
 log = logging.getLogger("gangrun.lifecycle.rootcause")
 
@@ -208,6 +212,28 @@ def tail(path: str, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _oom_verdict(
+    run_dir: str | None, rank: int, pid: int | None, died_at: float
+) -> OomVerdict | None:
+    from .oom import explain
+
+    try:
+        return explain(run_dir, rank, pid, died_at)
+    except Exception:  # the host's files are odd: the plain SIGKILL text stays
+        log.debug("no out-of-memory verdict for rank %s", rank, exc_info=True)
+        return None
+
+
+def _worker_oom(run_dir: str | None, rank: int, message: str) -> str | None:
+    from .oom import explain_worker
+
+    try:
+        return explain_worker(run_dir, rank, message)
+    except Exception:  # the host's files are odd: torch's words stay alone
+        log.debug("no out-of-memory verdict for rank %s's worker", rank, exc_info=True)
+        return None
+
+
 def build_error(
     cause: Candidate,
     failures: dict[int, RankFailure],
@@ -217,8 +243,10 @@ def build_error(
     log_file: str,
     log_dir: str,
     run_id: str,
+    run_dir: str | None = None,
 ) -> DistributedError:
-    """The caller's error: the root cause first, then the others stopped, every failure kept."""
+    """The caller's error: the root cause first, then the others stopped, every failure kept.
+    ``run_dir``: where the ranks' memory samples are (a SIGKILL's out-of-memory verdict)."""
     rank, rec, code, f = cause.rank, cause.record, cause.exit.exitcode, cause.failure
     log_tail = tail(log_file)
     others = sorted(r for r in range(world_size) if r != rank)
@@ -231,17 +259,28 @@ def build_error(
         body = log_tail
     elif f.exc_type is not None and f.exc_type != "SystemExit":
         head = f"{who} failed: {f.exc_type}: {f.message}"
+        worker = None
+        if "DataLoader worker" in head and not f.node:
+            worker = _worker_oom(run_dir, rank, f.message)
+        head += f"\n{worker}" if worker else ""
         body = f.traceback or ""
     elif f.exc_type is not None:
         head = f"{who} exited with code {f.exitcode} (sys.exit)."
         body = log_tail
     elif f.signal is not None:
         hint = ""
+        # this node's kernel log and cgroups say nothing of a rank on another node
+        here = f.signal == "SIGKILL" and not f.node
+        oom = _oom_verdict(run_dir, rank, pid, cause.exit.time) if here else None
         if f.signal == "SIGKILL":
-            hint = " (often the out-of-memory killer: check `dmesg`, lower the batch size)"
+            hint = " (no out-of-memory kill of it is on record here: check `dmesg`)"
         elif f.signal == "SIGSEGV":
             hint = " (a crash in native code: the log below holds the Python stack)"
         head = f"{who} was killed by {f.signal}{hint}."
+        if oom is not None:
+            from .oom import what_to_do
+
+            head = f"{oom.text(who)}. {what_to_do(oom)}"
         body = log_tail
     elif code == 0:
         head = f"{who} exited with code 0 before returning a result."

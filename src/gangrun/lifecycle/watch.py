@@ -10,6 +10,8 @@ status line, ``handle.progress()``): no thread of its own, nothing on the traini
 - **A slow rank** is one whose recent rate (over `RATE_WINDOW_S`) stays under
   `SLOW_RATIO` x the median of the other ranks' for `SLOW_AFTER_S` seconds
   (``GANGRUN_SLOW_AFTER`` overrides it). It is marked with its ratio until it catches up.
+- **Memory**: every rank's last memory sample (`gangrun.wire.memory`: resident memory of its
+  process tree against its limit, CUDA allocated/reserved), in ``Progress.memory``.
 - **A silent rank** made no progress at all (no output, heartbeat or step report) for
   `SILENT_AFTER_S` seconds (``GANGRUN_SILENT_AFTER``): the panel suggests
   ``handle.stacks()``.
@@ -25,10 +27,12 @@ import statistics
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..progress_view import Progress, RankProgress, summary_line
 from ..wire import contract
+from ..wire import memory as memory_file
 from ..wire.progress import StepReport, read_all
 from ..wire.tags import METRIC_PREFIX, TAG_SLOW_RANKS
 from .observers import CallView, Observer
@@ -215,7 +219,9 @@ class Watch:
 
                 since = self._attempt_started
                 last_progress = {r: lp(run.run_dir, run.log_dir, r, since) for r in live}
-            self._last = self._tracker.update(reports, now, last_progress)
+            p = self._tracker.update(reports, now, last_progress)
+            memory = memory_file.read_all(run.run_dir, world)  # the panel's memory column
+            self._last = replace(p, memory=memory) if memory else p
             return self._last
 
     def _live_ranks(self) -> list[int]:
@@ -243,7 +249,8 @@ class Watch:
 
 
 class ProgressObserver(Observer):
-    """Resets the rates at each attempt; at the end puts the last values on the MLflow run."""
+    """Resets the rates at each attempt; has the ranks' memory logged with the system metrics;
+    at the end puts the last values on the MLflow run."""
 
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
@@ -251,6 +258,8 @@ class ProgressObserver(Observer):
     def on_transition(self, state: State, run: CallView) -> None:
         if state is State.LAUNCHING:
             self.watch.new_attempt()
+        elif state is State.RUNNING and run.tracker is not None and run.run_dir:
+            run.tracker.watch_rank_memory(run.run_dir, run.call.world_size)
         elif state.terminal:
             p = self.watch.freeze()
             tracker = run.tracker

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import TYPE_CHECKING, Protocol
 
-from ..progress_view import Progress, fmt_duration, fmt_rate, summary_line
+from ..progress_view import NEAR_LIMIT_SHARE, Progress, fmt_duration, fmt_rate, summary_line
+from ..wire.memory import nearest_limit
 from ..wire.security import redact
 from . import charts
 from .state import CallSnapshot, RankView
@@ -104,7 +105,23 @@ def _final(p: Progress) -> Progress:
     return replace(p, eta_s=None, ranks=ranks)
 
 
+def _memory_cell(v: RankView, progress: Progress | None) -> tuple[str, str]:
+    """(the row's attributes, the memory cell's HTML): the rank's last memory sample, in
+    bold red for the rank nearest its limit once it is within 20% of it."""
+    mem = progress.memory.get(v.rank) if progress is not None else None
+    if mem is None:
+        return "", ""
+    attrs = f' data-rss="{mem.rss}"' + (f' data-limit="{mem.limit}"' if mem.limit else "")
+    text = escape(mem.text())
+    near = nearest_limit(progress.memory) if progress is not None else None
+    if near is not None and near[0] == v.rank and (mem.share or 0) >= NEAR_LIMIT_SHARE:
+        attrs += " data-nearest-limit"
+        text = f'<span style="color:#d62728;font-weight:bold">{text}</span>'
+    return attrs, text
+
+
 def _rank_row(v: RankView, progress: Progress | None, live: bool) -> str:
+    mem_attrs, mem = _memory_cell(v, progress)
     rp = progress.ranks.get(v.rank) if progress is not None else None
     step = rate = note = ""
     attrs = ""
@@ -123,11 +140,12 @@ def _rank_row(v: RankView, progress: Progress | None, live: bool) -> str:
                 f'<span style="color:#d62728;font-weight:bold">silent '
                 f"{fmt_duration(rp.silent_for)}</span> (<code>handle.stacks()</code> shows where) "
             )
+    attrs += mem_attrs
     return (
         f'<tr class="gangrun-rank" data-rank="{v.rank}" data-state="{escape(v.state)}"{attrs}>'
         f"<td {_TD}>rank {v.rank}</td><td {_TD}>{_badge(v.state)}</td>"
         f"<td {_TD}>{_exit_text(v.exitcode, v.signal)}</td>"
-        f"<td {_TD}>{step}</td><td {_TD}>{rate}</td>"
+        f"<td {_TD}>{step}</td><td {_TD}>{rate}</td><td {_TD}>{mem}</td>"
         f'<td {_TD}>{note}<code style="white-space:pre">{escape(v.last_line)}</code></td></tr>'
     )
 
@@ -159,7 +177,7 @@ def render_panel(
         + msg
         + '<table style="border-collapse:collapse;margin:4px 0">'
         f"<tr><th {_TD}>rank</th><th {_TD}>state</th><th {_TD}>exit</th>"
-        f"<th {_TD}>step</th><th {_TD}>rate</th>"
+        f"<th {_TD}>step</th><th {_TD}>rate</th><th {_TD}>memory</th>"
         f"<th {_TD}>last line</th></tr>{rows}</table>" + grid + "</div><!--/gangrun-panel-->"
     )
 

@@ -149,10 +149,13 @@ def error_record(
         pickle.loads(exc_bytes)  # an exception whose __init__ needs other args can't come back
     except Exception:
         exc_bytes = None
+    from .memory import cuda_oom_note
+
+    message, note = _message(exc), cuda_oom_note(exc)  # a CUDA OOM: the device's figures
     return ErrorRecord(
         rank=rank,
         exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        message=_message(exc),
+        message=f"{message}\n{note}" if note else message,
         traceback=tb_text,
         time=time.time(),
         pid=os.getpid(),
@@ -310,6 +313,9 @@ def main() -> None:
     from .stacks import install as install_stacks
 
     install_stacks(run_dir, rank)  # handle.stacks(), `gangrun stacks`, the hang guard
+    from .memory import start as sample_memory
+
+    sample_memory(run_dir, rank)  # the panel, `gangrun ps`, the out-of-memory verdict
     if os.environ.get(contract.HANG_TIMEOUT):
         from .heartbeat import install
 

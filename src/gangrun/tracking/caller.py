@@ -243,6 +243,20 @@ class Tracker:
         except Exception as exc:
             _note(stdout, f"gangrun: system metrics are not logged: {exc}")
 
+    def watch_rank_memory(self, run_dir: str, world_size: int) -> None:
+        """Each rank's memory among the system metrics, when they are logged (once per run
+        directory: an attempt after a restart keeps the same)."""
+        from .memory import RankMemoryMonitor
+
+        mon = self._monitor
+        try:
+            if mon is not None and not any(
+                isinstance(m, RankMemoryMonitor) and m.run_dir == run_dir for m in mon.monitors
+            ):
+                mon.monitors.append(RankMemoryMonitor(run_dir, world_size))
+        except AttributeError as exc:  # an MLflow whose monitor keeps no list of monitors
+            log.debug("the ranks' memory is not among the system metrics: %s", exc)
+
     # ------------------------------------------------------------------ ranks
     def rank_env(self) -> dict[str, str]:
         env = {

@@ -39,6 +39,16 @@ TAG_LATEST = "gangrun.checkpoint_latest"  # rank 0, after each commit (gangrun.C
 METRIC_PREFIX = PREFIX  # gangrun.step, gangrun.total_steps, gangrun.steps_per_second
 TAG_SLOW_RANKS = "gangrun.slow_ranks"
 
+# each rank's memory, among MLflow's system metrics (which add "system/" before them), while
+# the call runs (gangrun.tracking.memory): rank_<r>_ then one of these
+RANK_METRIC = "rank_{rank}_{name}"
+RANK_MEMORY_METRICS = (
+    "memory_rss_megabytes",  # resident memory of the rank's process tree
+    "memory_limit_percentage",  # that against its limit (memory cgroup, else the RAM)
+    "cuda_allocated_megabytes",  # torch.cuda.memory_allocated, with a GPU
+    "cuda_reserved_megabytes",  # torch.cuda.memory_reserved
+)
+
 TABLE: dict[str, str] = {
     TAG_FUNCTION: "tag: the function the call ran",
     TAG_WORLD_SIZE: "tag: how many ranks",
@@ -60,6 +70,8 @@ TABLE: dict[str, str] = {
     TAG_LATEST: "tag: the latest committed checkpoint (rank 0)",
     TAG_SLOW_RANKS: "tag: the ranks marked slow at the end",
     METRIC_PREFIX + "<step|total_steps|steps_per_second>": "metrics: the last progress values",
+    "system/rank_<r>_<" + "|".join(RANK_MEMORY_METRICS) + ">": "system metrics: each rank's "
+    "memory while the call runs (with log_system_metrics)",
 }
 
 __all__ = [name for name in dir() if name.isupper()]

@@ -37,6 +37,7 @@ _PRELOAD_ALWAYS = (  # everything a rank imports on its way: paid once here, not
     "gangrun.rank.worker",
     "gangrun.rank.tracking",
     "gangrun.rank.progress",
+    "gangrun.rank.memory",
     "gangrun.rank.source",
     "gangrun.wire.security",
     "gangrun.rank.boot",
