@@ -95,6 +95,7 @@ DURATIONS: dict[str, tuple[bool, bool]] = {
     "restart_backoff": (False, False),
     "restart_backoff_max": (False, False),
 }
+AUTO = frozenset({"hang_timeout"})  # may be "auto" (lifecycle/hang.py decides the seconds)
 ZERO_IS_NONE = frozenset(n for n, (_, zero) in DURATIONS.items() if zero)
 
 
@@ -102,6 +103,8 @@ def duration_from_text(name: str, text: str) -> float | None:
     """Option ``name``'s value written as a duration (``"10m"``), as ``GANGRUN_<OPTION>`` and
     the command line read it: ``"none"`` (where allowed), ``"0"`` no limit for timeouts."""
     nullable, zero_is_none = DURATIONS[name]
+    if name in AUTO and str(text).strip().lower() == "auto":
+        return "auto"  # type: ignore[return-value]  # hang_timeout: from the step times seen
     try:
         value = parse_duration(text)
     except ValueError as exc:
@@ -292,7 +295,11 @@ class Options:
         forkserver: the warm fork server local ranks fork from:
             [`ForkServerOptions`][gangrun.options.ForkServerOptions] (preloaded modules, start timeout).
         log_system_metrics: log CPU/GPU/memory metrics to the MLflow run.
-        hang_timeout: stop the gang when a rank makes no progress for this many seconds.
+        hang_timeout: the hang verdict's T (docs/reliability.md): when a rank has waited this
+            many seconds in a collective that a peer neither joins nor makes progress towards
+            (or joined mismatched), the call stops with `DistributedHangError` naming that
+            peer. ``"auto"`` (default): max(10 s, 3x the p99 step time seen so far);
+            ``None`` or 0: off.
         gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
             once, ``None``: no limit).
         checkpoint_dir: where the call's checkpoints live (a directory or any fsspec URL),
@@ -324,7 +331,7 @@ class Options:
     run_name: str | None = None
     run_id: str | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
-    hang_timeout: float | None = None
+    hang_timeout: float | Literal["auto"] | None = "auto"
     # GPUs busy with another call of this user: wait up to this many seconds for them
     # (0: fail at once with LaunchError, None: wait without limit). See gangrun.host.reservation.
     gpu_wait: float | None = 0.0
@@ -364,7 +371,7 @@ class Options:
         _int("min_ranks", self.min_ranks, 1)
         for name in ("timeout", "hang_timeout"):
             v = getattr(self, name)
-            if v is None:
+            if v is None or (name in AUTO and v == "auto"):
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise LaunchError(f"{name} must be a number of seconds or None, got {v!r}.")
@@ -474,6 +481,7 @@ __all__ = [
     "ForkServerOptions",
     "GROUPS",
     "DEFAULT_TIMEOUT",
+    "AUTO",
     "DURATIONS",
     "duration_from_text",
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import faulthandler
 import linecache
 import os
 import signal
@@ -134,8 +133,7 @@ def gang(address: str, token: str) -> None:
     sys.stdout = _Counting(sys.stdout)
     sys.stderr = _Counting(sys.stderr)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_sigint)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # hang reports
+        signal.signal(signal.SIGINT, _on_sigint)  # SIGUSR1: stacks.<rank> (worker.main)
     # the caller knows of this rank (and may interrupt it) once it answered the Hello
     sock = protocol.handshake(address, protocol.Hello(token.encode("ascii"), rank, os.getpid()))
     while True:

@@ -310,6 +310,9 @@ def main() -> None:
     from .stacks import install as install_stacks
 
     install_stacks(run_dir, rank)  # handle.stacks(), `gangrun stacks`, the hang guard
+    from .collectives import install as record_collectives
+
+    record_collectives(run_dir, rank)  # where the rank is in torch.distributed: the verdict
     if os.environ.get(contract.HANG_TIMEOUT):
         from .heartbeat import install
 

@@ -11,6 +11,7 @@
     heartbeat.<rank>     hang guard: touched by the rank on progress
     stacks.<rank>        hang guard: the rank's stacks, dumped on request
     progress.<rank>      the rank's last step report (`gangrun.rank.progress`)
+    collectives.<rank>   the rank's last torch.distributed calls (`gangrun.wire.collectives`)
     stop.request         the caller asks the ranks to checkpoint and stop (a preemption)
     stop.teardown        the caller is tearing the gang down: a SIGTERM now means "die"
     stop.<rank>.json     rank <rank> saved a checkpoint and stopped (preempted)
@@ -37,7 +38,15 @@ PAYLOAD = "payload.pkl"
 CONTEXT = "context.json"
 CALL_RECORD = "call.json"
 CONTROL_SOCKET = "control"
-_ATTEMPT_PREFIXES = ("result.", "error.", "heartbeat.", "stacks.", "progress.", "stop.")
+_ATTEMPT_PREFIXES = (
+    "result.",
+    "error.",
+    "heartbeat.",
+    "stacks.",
+    "progress.",
+    "stop.",
+    "collectives.",
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class RunDir:
 
     def progress(self, rank: int) -> str:
         return os.path.join(self.path, f"progress.{rank}")
+
+    def collectives(self, rank: int) -> str:
+        return os.path.join(self.path, f"collectives.{rank}")
 
     def log(self, rank: int) -> str:
         return log_path(self.logs, rank)

@@ -1,0 +1,211 @@
+"""``collectives.<rank>``: where a rank is in its ``torch.distributed`` calls, as a small ring
+of fixed-size slots in a memory-mapped file. The rank writes (`Ring`, from
+`gangrun.rank.collectives`); the caller reads (`read`) at any moment, also while the rank is
+stuck inside a collective, which is the point.
+
+Layout (little-endian): a `HEADER` (magic, rank, pid, slot count, records written) then
+`SLOTS` slots of `SLOT` bytes. Each slot holds one `OpRecord`: op name, process group, the
+group's sequence number, peer (point-to-point), element count, shapes and dtypes, the call
+site in user code (``file:line``), entered and left times (``left`` 0: still inside).
+
+A slot is guarded like a seqlock: its first 8 bytes are odd while the rank writes it and even
+once written; a reader copies the slot between two reads of that counter and keeps it only
+when both are the same even number, so a torn read is dropped, never misread. ``left`` is one
+aligned 8-byte store made when the op returns.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+from .rundir import RunDir
+
+MAGIC = b"GRCOLL1\0"
+SLOTS = 64
+_HEADER = struct.Struct("<8siiIxxxxQ")  # magic, rank, pid, slots, written
+HEADER = _HEADER.size
+_WRITTEN_AT = 24
+# counter, entered, left, seq, numel, peer, op, group, shapes, site
+_SLOT = struct.Struct("<Qddqqi20s28s40s116s")
+SLOT = _SLOT.size
+_LEFT_AT = 16
+SIZE = HEADER + SLOTS * SLOT
+_COUNTER = struct.Struct("<Q")
+_TIME = struct.Struct("<d")
+
+# Ops that are not collectives: a region of user code that may communicate (DDP's and FSDP's
+# collectives run from C++ autograd hooks inside backward(), which Python cannot see).
+REGIONS = frozenset({"backward"})
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One ``torch.distributed`` call of a rank (or a region that may communicate)."""
+
+    op: str  # "all_reduce", "init_process_group", "backward", ...
+    group: str  # "world", or the group's ranks "0,2"
+    seq: int  # this op's number on its group (init_process_group is number 0 of "world")
+    peer: int  # point-to-point: the other rank (-1: none, or any)
+    numel: int  # elements of the op's tensor (-1: none)
+    shapes: str  # e.g. "float32[4, 4]" ("": none)
+    site: str  # the call site in user code, "path:line"
+    entered: float  # wall clock
+    left: float  # wall clock; 0.0 while still inside
+
+    @property
+    def inside(self) -> bool:
+        return self.left == 0.0
+
+    @property
+    def region(self) -> bool:
+        return self.op in REGIONS
+
+    def to_bytes(self, counter: int) -> bytes:
+        """The slot's bytes (``counter`` even: complete)."""
+        return _SLOT.pack(
+            counter,
+            self.entered,
+            self.left,
+            self.seq,
+            self.numel,
+            self.peer,
+            _text(self.op, 20),
+            _text(self.group, 28),
+            _text(self.shapes, 40),
+            _text(self.site, 116, keep_end=True),
+        )
+
+
+@dataclass(frozen=True)
+class RingView:
+    """What the caller read of one rank's ring: its records, oldest first."""
+
+    rank: int
+    pid: int
+    written: int  # records ever written (the ring keeps the last `SLOTS`)
+    records: tuple[OpRecord, ...]
+
+    @property
+    def current(self) -> OpRecord | None:
+        """The op the rank is inside now (the innermost one), if any."""
+        for rec in reversed(self.records):
+            if rec.inside:
+                return rec
+        return None
+
+    def find(self, group: str, seq: int) -> OpRecord | None:
+        """The collective #``seq`` on ``group``, if the ring still holds it."""
+        for rec in reversed(self.records):
+            if rec.group == group and rec.seq == seq and not rec.region and rec.peer < 0:
+                return rec
+        return None
+
+    def last_on(self, group: str) -> OpRecord | None:
+        """The latest collective on ``group`` (regions and point-to-point ops excluded)."""
+        for rec in reversed(self.records):
+            if rec.group == group and not rec.region and rec.peer < 0:
+                return rec
+        return None
+
+
+def _text(s: str, n: int, keep_end: bool = False) -> bytes:
+    b = s.encode("utf-8", "replace")
+    if len(b) > n:
+        b = b[-n:] if keep_end else b[:n]
+    return b
+
+
+def _untext(b: bytes) -> str:
+    return b.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def path(run_dir: str, rank: int) -> str:
+    return RunDir(run_dir).collectives(rank)
+
+
+class Ring:
+    """The rank's writer: `open` maps the file; `enter` writes a record and returns its slot,
+    `leave` stamps the slot's ``left`` time."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self._mm = mm
+        self._written = 0
+
+    @classmethod
+    def open(cls, file: str, rank: int) -> Ring:
+        """Create the rank's file (0600) and map it. Raises ``OSError``."""
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+            mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(mm, 0, MAGIC, rank, os.getpid(), SLOTS, 0)
+        return cls(mm)
+
+    def enter(self, rec: OpRecord) -> int:
+        """Write ``rec`` into the next slot; the slot's offset (for `leave`)."""
+        n = self._written = self._written + 1
+        off = HEADER + (n - 1) % SLOTS * SLOT
+        mm = self._mm
+        _COUNTER.pack_into(mm, off, 2 * n - 1)  # busy
+        mm[off : off + SLOT] = rec.to_bytes(2 * n - 1)
+        _COUNTER.pack_into(mm, off, 2 * n)  # complete
+        _COUNTER.pack_into(mm, _WRITTEN_AT, n)
+        return off
+
+    def leave(self, off: int, when: float) -> None:
+        _TIME.pack_into(self._mm, off + _LEFT_AT, when)
+
+
+def read(run_dir: str, rank: int) -> RingView | None:
+    """Caller side: rank ``rank``'s ring now; None when it has none (the rank never got to
+    record, or the file is not a ring)."""
+    try:
+        with (
+            open(path(run_dir, rank), "rb") as f,
+            mmap.mmap(f.fileno(), SIZE, access=mmap.ACCESS_READ) as mm,
+        ):
+            return parse(mm)
+    except (OSError, ValueError):  # absent, or shorter than a ring
+        return None
+
+
+def parse(buf: bytes | mmap.mmap) -> RingView | None:
+    """The ring in ``buf`` (the mapped file, or a copy of it), torn slots left out: each slot's
+    counter is read before and after its copy (a seqlock's reader)."""
+    if len(buf) < SIZE:
+        return None
+    magic, rank, pid, slots, written = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or slots != SLOTS:
+        return None
+    out = []
+    for n in range(max(1, written - SLOTS + 1), written + 1):
+        off = HEADER + (n - 1) % SLOTS * SLOT
+        before = _COUNTER.unpack_from(buf, off)[0]
+        body = bytes(buf[off : off + SLOT])
+        after = _COUNTER.unpack_from(buf, off)[0]
+        counter, entered, left, seq, numel, peer, op, group, shapes, site = _SLOT.unpack(body)
+        if not before == after == counter == 2 * n:  # torn, or overwritten by a newer one
+            continue
+        out.append(
+            OpRecord(
+                _untext(op),
+                _untext(group),
+                seq,
+                peer,
+                numel,
+                _untext(shapes),
+                _untext(site),
+                entered,
+                left,
+            )  # fmt: skip
+        )
+    return RingView(rank, pid, written, tuple(out))
+
+
+__all__ = ["HEADER", "OpRecord", "REGIONS", "Ring", "RingView", "SIZE", "SLOT", "SLOTS", "parse",
+           "path", "read"]  # fmt: skip
