@@ -331,7 +331,7 @@ class Options:
     run_name: str | None = None
     run_id: str | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
-    hang_timeout: float | Literal["auto"] | None = "auto"
+    hang_timeout: float | str | None = "auto"  # or "auto": from the step times seen
     # GPUs busy with another call of this user: wait up to this many seconds for them
     # (0: fail at once with LaunchError, None: wait without limit). See gangrun.host.reservation.
     gpu_wait: float | None = 0.0

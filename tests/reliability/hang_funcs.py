@@ -19,7 +19,7 @@ def _init():  # -> the torch module and torch.distributed
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # at: init call
     return torch, dist
 
 
@@ -101,7 +101,7 @@ def never_init(mark: str, holder: int) -> None:
     if int(os.environ["RANK"]) == holder:
         _began(mark)
         time.sleep(600)  # at: init holder
-    _init()  # at: init collective
+    _init()
 
 
 def stopped(mark: str, holder: int) -> None:

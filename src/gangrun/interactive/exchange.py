@@ -6,6 +6,7 @@ error. A mixin of `Gang` (its state lives there).
 
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import pickle
@@ -72,6 +73,14 @@ class Exchanges:
             for stream in (handle.supervisor.call.stdout, handle.supervisor.call.stderr):
                 if isinstance(stream, CellWriter):
                     stream.retarget()
+            if isinstance(msg, protocol.Exec):  # the verdict quotes the cell's lines
+                source = msg.source
+                linecache.cache[protocol.cell_filename(msg.cell_id)] = (
+                    len(source),
+                    None,
+                    source.splitlines(True),
+                    protocol.cell_filename(msg.cell_id),
+                )
             limit = self.timeout
             deadline = None if limit is None else time.monotonic() + limit
             data = protocol.frame(msg)
