@@ -81,29 +81,41 @@ class _Sampler:
         self.proc: Any = None
         self.stopped = False
 
-    def tree(self, pid: int) -> tuple[float, int, bool] | None:
-        """(CPU seconds, I/O bytes, stopped) of the process and its descendants."""
+    def tree(self, pid: int, kids: dict[int, list[int]]) -> tuple[float, int, bool] | None:
+        """(CPU seconds, I/O bytes, stopped) of the process and its descendants (``kids``:
+        parent pid -> child pids, read once per sample for every rank)."""
         import psutil
 
         try:
             if self.proc is None or self.proc.pid != pid:
                 self.proc = psutil.Process(pid)
-            procs = [self.proc, *self.proc.children(recursive=True)]
             stopped = self.proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
         except (psutil.Error, OSError):
             return None
-        cpu, io = 0.0, 0
-        for p in procs:
+        pids, cpu, io = [pid], 0.0, 0
+        while pids:
+            p = pids.pop()
+            pids.extend(kids.get(p, ()))
             try:
-                t = p.cpu_times()
+                proc = self.proc if p == pid else psutil.Process(p)
+                t = proc.cpu_times()
                 cpu += t.user + t.system + t.children_user + t.children_system
-                c = p.io_counters()
-                io += getattr(c, "read_chars", c.read_bytes) + getattr(
-                    c, "write_chars", c.write_bytes
-                )
+                c = proc.io_counters()
+                io += getattr(c, "read_chars", c.read_bytes)
+                io += getattr(c, "write_chars", c.write_bytes)
             except (psutil.Error, OSError):
                 continue
         return cpu, io, stopped
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, of every process (one pass over /proc)."""
+    import psutil
+
+    kids: dict[int, list[int]] = {}
+    for p in psutil.process_iter(["ppid"]):
+        kids.setdefault(p.info["ppid"], []).append(p.pid)
+    return kids
 
 
 class HangGuard:
@@ -176,23 +188,33 @@ class HangGuard:
         if prev is None or rep.step != prev[0]:
             self._steps[r] = (rep.step, rep.time)
 
-    def sample(self, pids: dict[int, int], live: list[int]) -> dict[int, float]:
-        """Read every rank now; seconds each live rank has shown no progress."""
-        now = time.monotonic()
+    def sample(self, pids: dict[int, int], live: list[int], deep: bool = False) -> dict[int, float]:
+        """Read every rank now; seconds each live rank has shown no progress. The process
+        trees are sampled only while some rank waits in a collective (or when ``deep``):
+        progress is measured from the first such sample."""
+        now, wall = time.monotonic(), time.time()
+        for r in live:
+            self.rings[r] = ring_file.read(self.run_dir, r)
+        soon = min(1.0, self.timeout / 3)
+        deep = deep or any(
+            (cur := None if v is None else v.current) is not None and wall - cur.entered >= soon
+            for v in (self.rings.get(r) for r in live)
+        )
+        kids = _children() if deep else {}
         quiet = {}
         for r in live:
             s = self._samplers[r]
-            ring = self.rings[r] = ring_file.read(self.run_dir, r)
-            marks = self._marks(r, ring)
-            moved = marks != s.marks
+            marks = self._marks(r, self.rings[r])
+            moved = marks != s.marks or not deep
             s.marks = marks
             pid = pids.get(r)
-            tree = None if pid is None else s.tree(pid)
-            if tree is not None:
+            tree = None if pid is None or not deep else s.tree(pid, kids)
+            if tree is None:
+                s.cpu = None  # the next deep sample starts afresh
+            else:
                 cpu, io, s.stopped = tree
-                if s.cpu is not None and (
-                    cpu - s.cpu > _CPU_SHARE * (now - s.cpu_at) + _TICK_S or io != s.io
-                ):
+                rose = cpu - (s.cpu or 0.0) > _CPU_SHARE * (now - s.cpu_at) + _TICK_S
+                if s.cpu is None or rose or io != s.io:
                     moved = True
                 s.cpu, s.io, s.cpu_at = cpu, io, now
             if moved and not s.stopped:
@@ -266,7 +288,7 @@ class HangGuard:
 
     def explain(self, pids: dict[int, int], live: list[int]) -> tuple[RankPlace, ...]:
         """Where each rank is now (for a call out of time): read, dump the stacks, say."""
-        quiet = self.sample(pids, live)
+        quiet = self.sample(pids, live, deep=True)
         self.dump_stacks(pids, live)
         self.places = self._places(quiet)
         return self.places
