@@ -42,8 +42,10 @@ def op_words(rec: OpRecord) -> str:
     return f"{rec.op} #{rec.seq}{group} at {short(rec.site)}"
 
 
-def _signature(rec: OpRecord) -> tuple[str, int, str]:
-    return rec.op, rec.seq, rec.shapes
+def _signature(rec: OpRecord) -> tuple[str, int, int, str]:
+    """What peers in one collective must agree on: op, number, element count and dtype (a
+    [2, 4] tensor against an [8] one moves the same bytes: no hang)."""
+    return rec.op, rec.seq, rec.numel, rec.shapes.partition("[")[0]
 
 
 def _members(rec: OpRecord, world: int) -> list[int]:

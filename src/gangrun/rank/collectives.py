@@ -125,16 +125,39 @@ def _shape(t: Any) -> tuple[str, int]:
     return known
 
 
+def _static(
+    op: str, group: Any, peer: Any, tensor: Any, site: str, peer_param: str | None
+) -> tuple[str, bytes]:
+    """(the key of the op's sequence numbers, the slot's static bytes) of one call site."""
+    name = _group_name(group)
+    shapes, numel = _shape(tensor)
+    key = name if peer_param is None else f"{name}:{peer_param}{peer}"
+    peer_rank = -1 if peer is None else int(peer)
+    return key, ring_file.static_bytes(op, name, peer_rank, numel, shapes, site)
+
+
 def _wrap(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
     tensor_param, peer_param = _OPS[op]
     params = list(inspect.signature(fn).parameters)
-    t_at = params.index(tensor_param) if tensor_param in params else -1
-    g_at = params.index("group") if "group" in params else -1
-    p_at = params.index(peer_param) if peer_param in params else -1
-    a_at = params.index("async_op") if "async_op" in params else -1
+    absent = 1 << 30  # an index no call reaches: the keyword look-up then
 
-    def arg(args: tuple, kwargs: dict, at: int, name: str | None) -> Any:
-        return args[at] if 0 <= at < len(args) else kwargs.get(name) if name else None
+    def at(name: str | None) -> int:
+        return params.index(name) if name in params else absent
+
+    t_at, g_at, p_at, a_at = at(tensor_param), at("group"), at(peer_param), at("async_op")
+    t_kw, p_kw = tensor_param or "", peer_param or ""
+    issued_only = peer_param is not None and op.startswith("i")
+    # call site (code, line, group, peer) -> (tensor seen, its numel, dtype, seq key, bytes);
+    # (): the caller is torch's own code, whose user site varies (not cached)
+    statics: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+    def site_of(f: Any, t: Any, group: Any, peer: Any) -> tuple[Any, ...]:
+        code = f.f_code
+        if _is_internal(code.co_filename):
+            return ()
+        numel, dtype = (-1, None) if t is None else (t.numel(), t.dtype)
+        site = f"{code.co_filename}:{f.f_lineno}"
+        return (t, numel, dtype, *_static(op, group, peer, t, site, peer_param))
 
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -143,25 +166,37 @@ def _wrap(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         _depth[0] += 1
         off = -1
-        try:
-            try:
-                group = _group_name(arg(args, kwargs, g_at, "group"))
-                peer = arg(args, kwargs, p_at, peer_param) if peer_param else None
+        try:  # recording must never break the user's call
+            n = len(args)
+            t = args[t_at] if t_at < n else kwargs.get(t_kw)
+            group = args[g_at] if g_at < n else kwargs.get("group")
+            peer = None
+            if peer_param is not None:
+                peer = args[p_at] if p_at < n else kwargs.get(p_kw)
                 if peer is None:
-                    peer = kwargs.get("group_" + peer_param) if peer_param else None
-                key = group if peer_param is None else f"{group}:{peer_param}{peer}"
-                seq = _seqs[key] = _seqs.get(key, 0) + 1
-                shapes, numel = _shape(arg(args, kwargs, t_at, tensor_param))
-                rec = OpRecord(
-                    op, group, seq, -1 if peer is None else int(peer), numel, shapes,
-                    call_site(), time.time(), 0.0,
-                )  # fmt: skip
-                off = ring.enter(rec)
-                if peer_param and op.startswith("i") or arg(args, kwargs, a_at, "async_op"):
-                    ring.leave(off, rec.entered)  # issued: its Work's wait is not seen
-                    off = -1
-            except Exception:  # recording must never break the user's call
+                    peer = kwargs.get("group_" + p_kw)
+            f = sys._getframe(1)
+            key = (f.f_code, f.f_lineno, group, peer)
+            known = statics.get(key)
+            if known is None or (
+                known
+                and known[0] is not t
+                and (t is None or known[1] != t.numel() or known[2] != t.dtype)
+            ):
+                known = statics[key] = site_of(f, t, group, peer)
+            if not known:  # called from torch's own code: the user's line, walked to
+                seq_key, static = _static(op, group, peer, t, call_site(2), peer_param)
+            else:
+                seq_key, static = known[3], known[4]
+            seq = _seqs[seq_key] = _seqs.get(seq_key, 0) + 1
+            now = time.time()
+            off = ring.write(static, seq, now)
+            if issued_only or (a_at < n and args[a_at]) or kwargs.get("async_op"):
+                ring.leave(off, now)  # issued: its Work's wait is not seen
                 off = -1
+        except Exception:
+            off = -1
+        try:
             return fn(*args, **kwargs)
         finally:
             _depth[0] -= 1

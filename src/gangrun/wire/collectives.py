@@ -3,7 +3,7 @@ of fixed-size slots in a memory-mapped file. The rank writes (`Ring`, from
 `gangrun.rank.collectives`); the caller reads (`read`) at any moment, also while the rank is
 stuck inside a collective, which is the point.
 
-Layout (little-endian): a `HEADER` (magic, rank, pid, slot count, records written) then
+Layout (little-endian): a `HEADER` (magic, rank, pid, slot count) then
 `SLOTS` slots of `SLOT` bytes. Each slot holds one `OpRecord`: op name, process group, the
 group's sequence number, peer (point-to-point), element count, shapes and dtypes, the call
 site in user code (``file:line``), entered and left times (``left`` 0: still inside).
@@ -25,13 +25,15 @@ from .rundir import RunDir
 
 MAGIC = b"GRCOLL1\0"
 SLOTS = 64
-_HEADER = struct.Struct("<8siiIxxxxQ")  # magic, rank, pid, slots, written
+_HEADER = struct.Struct("<8siiIxxxx")  # magic, rank, pid, slots
 HEADER = _HEADER.size
-_WRITTEN_AT = 24
 # counter, entered, left, seq, numel, peer, op, group, shapes, site
 _SLOT = struct.Struct("<Qddqqi20s28s40s116s")
 SLOT = _SLOT.size
 _LEFT_AT = 16
+_BUSY = struct.Struct("<Qddq")  # counter, entered, left, seq: what changes between calls
+_STATIC = struct.Struct("<qi20s28s40s116s")  # numel, peer, op, group, shapes, site
+_STATIC_AT = _BUSY.size
 SIZE = HEADER + SLOTS * SLOT
 _COUNTER = struct.Struct("<Q")
 _TIME = struct.Struct("<d")
@@ -63,20 +65,17 @@ class OpRecord:
     def region(self) -> bool:
         return self.op in REGIONS
 
-    def to_bytes(self, counter: int) -> bytes:
-        """The slot's bytes (``counter`` even: complete)."""
-        return _SLOT.pack(
-            counter,
-            self.entered,
-            self.left,
-            self.seq,
-            self.numel,
-            self.peer,
-            _text(self.op, 20),
-            _text(self.group, 28),
-            _text(self.shapes, 40),
-            _text(self.site, 116, keep_end=True),
-        )
+    def to_bytes(self) -> bytes:
+        """The slot's part that one call site repeats (all but the times and the sequence
+        number): the rank keeps it per call site (`Ring.write`)."""
+        return static_bytes(self.op, self.group, self.peer, self.numel, self.shapes, self.site)
+
+
+def static_bytes(op: str, group: str, peer: int, numel: int, shapes: str, site: str) -> bytes:
+    return _STATIC.pack(
+        numel, peer, _text(op, 20), _text(group, 28), _text(shapes, 40),
+        _text(site, 116, keep_end=True),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class RingView:
 
     rank: int
     pid: int
-    written: int  # records ever written (the ring keeps the last `SLOTS`)
+    written: int  # records ever written (the ring keeps the last `SLOTS`), as far as seen
     records: tuple[OpRecord, ...]
 
     @property
@@ -143,18 +142,24 @@ class Ring:
             mm = mmap.mmap(fd, SIZE)
         finally:
             os.close(fd)
-        _HEADER.pack_into(mm, 0, MAGIC, rank, os.getpid(), SLOTS, 0)
+        _HEADER.pack_into(mm, 0, MAGIC, rank, os.getpid(), SLOTS)
         return cls(mm)
 
     def enter(self, rec: OpRecord) -> int:
         """Write ``rec`` into the next slot; the slot's offset (for `leave`)."""
+        off = self.write(rec.to_bytes(), rec.seq, rec.entered)
+        if not rec.inside:
+            self.leave(off, rec.left)
+        return off
+
+    def write(self, static: bytes, seq: int, entered: float) -> int:
+        """The hot path: a record from its call site's `static_bytes`; the slot's offset."""
         n = self._written = self._written + 1
         off = HEADER + (n - 1) % SLOTS * SLOT
         mm = self._mm
-        _COUNTER.pack_into(mm, off, 2 * n - 1)  # busy
-        mm[off : off + SLOT] = rec.to_bytes(2 * n - 1)
+        _BUSY.pack_into(mm, off, 2 * n - 1, entered, 0.0, seq)  # the counter first: busy
+        mm[off + _STATIC_AT : off + SLOT] = static
         _COUNTER.pack_into(mm, off, 2 * n)  # complete
-        _COUNTER.pack_into(mm, _WRITTEN_AT, n)
         return off
 
     def leave(self, off: int, when: float) -> None:
@@ -179,33 +184,33 @@ def parse(buf: bytes | mmap.mmap) -> RingView | None:
     counter is read before and after its copy (a seqlock's reader)."""
     if len(buf) < SIZE:
         return None
-    magic, rank, pid, slots, written = _HEADER.unpack_from(buf, 0)
+    magic, rank, pid, slots = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC or slots != SLOTS:
         return None
-    out = []
-    for n in range(max(1, written - SLOTS + 1), written + 1):
-        off = HEADER + (n - 1) % SLOTS * SLOT
+    found = []
+    for i in range(SLOTS):
+        off = HEADER + i * SLOT
         before = _COUNTER.unpack_from(buf, off)[0]
         body = bytes(buf[off : off + SLOT])
         after = _COUNTER.unpack_from(buf, off)[0]
         counter, entered, left, seq, numel, peer, op, group, shapes, site = _SLOT.unpack(body)
-        if not before == after == counter == 2 * n:  # torn, or overwritten by a newer one
+        n = counter // 2
+        # kept when complete (even), the same before and after the copy, and in its slot
+        if counter == 0 or counter % 2 or before != after or before != counter:
             continue
-        out.append(
-            OpRecord(
-                _untext(op),
-                _untext(group),
-                seq,
-                peer,
-                numel,
-                _untext(shapes),
-                _untext(site),
-                entered,
-                left,
-            )  # fmt: skip
-        )
+        if (n - 1) % SLOTS != i:
+            continue
+        rec = OpRecord(
+            _untext(op), _untext(group), seq, peer, numel, _untext(shapes), _untext(site),
+            entered, left,
+        )  # fmt: skip
+        found.append((n, rec))
+    found.sort(key=lambda x: x[0])
+    written = found[-1][0] if found else 0
+    # a ring holds the last SLOTS records: older survivors (torn neighbours) are dropped
+    out = [rec for n, rec in found if n > written - SLOTS]
     return RingView(rank, pid, written, tuple(out))
 
 
 __all__ = ["HEADER", "OpRecord", "REGIONS", "Ring", "RingView", "SIZE", "SLOT", "SLOTS", "parse",
-           "path", "read"]  # fmt: skip
+           "path", "read", "static_bytes"]  # fmt: skip
