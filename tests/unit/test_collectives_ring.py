@@ -82,3 +82,40 @@ def test_a_progressing_peer_or_a_short_wait_is_no_hang():
     assert hang is not None and hang.kind == "not entered" and hang.holders == (1,)
     stopped = verdict.judge(rings, {0: 9.0, 1: 0.0}, {1}, 2, 5.0, now=110.0)
     assert stopped is not None and stopped.kind == "stopped"
+
+
+# torch's Flight Recorder: its dump's dict (what `_dump_nccl_trace` returns on a GPU node, which
+# we lack) stands in for the GPU; the thread, the request file and the caller's reading are real
+NCCL_DUMP = {
+    "version": "2.8",
+    "entries": [
+        {"profiling_name": "nccl:all_reduce", "collective_seq_id": 11, "state": "completed",
+         "process_group": ("0", "default_pg"), "input_sizes": [[4]], "input_dtypes": ["Float"],
+         "time_created_ns": 1_000_000_000},
+        {"profiling_name": "nccl:all_reduce", "collective_seq_id": 12, "state": "started",
+         "process_group": ("0", "default_pg"), "input_sizes": [[4]], "input_dtypes": ["Float"],
+         "time_created_ns": 2_000_000_000},
+    ],
+}  # fmt: skip
+
+
+def test_flight_recorder_is_dumped_on_request_and_said(tmp_path, monkeypatch):
+    from gangrun.lifecycle.hang import HangGuard
+    from gangrun.rank import flight
+    from gangrun.wire import flight as flight_file
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")
+    monkeypatch.setattr(flight, "_dump", lambda: NCCL_DUMP)
+    monkeypatch.setattr(flight, "_started", False)
+    flight.start(str(tmp_path), 1)
+    assert flight_file.read(str(tmp_path), 1) == flight_file.FlightDump(1, 0.0, ())
+    got = HangGuard(str(tmp_path), str(tmp_path), 2, 3.0)._flights([0, 1])
+    dump = got[1]
+    assert [(e.op, e.seq, e.state) for e in dump.entries] == [
+        ("all_reduce", 11, "completed"),
+        ("all_reduce", 12, "started"),
+    ]
+    assert verdict.flight_words(dump) == "last all_reduce #12 started"
+    init = OpRecord("init_process_group", "world", 0, -1, -1, "", "/a/t.py:5", 1.0, 2.0)
+    places = verdict.places(None, {1: view(1, init, rec())}, {}, set(), {}, {}, 2, 110.0, got)
+    assert "Flight Recorder: last all_reduce #12 started" in places[1].words

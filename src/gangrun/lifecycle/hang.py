@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..rank import stacks
 from ..wire import collectives as ring_file
+from ..wire import flight as flight_file
 from ..wire import heartbeat as beat_file
 from ..wire import progress as progress_file
 from ..wire import stacks as stack_file
 from ..wire.collectives import RingView
+from ..wire.flight import FlightDump
 from ..wire.hangs import Hang, RankPlace
 from ..wire.rundir import RunDir, log_path
 from . import verdict
@@ -138,6 +140,7 @@ class HangGuard:
         self.places: tuple[RankPlace, ...] = ()
         self.stacks: dict[int, str] = {}
         self.workers: dict[int, list[str]] = {}
+        self.flights: dict[int, FlightDump] = {}
         # No clean-up of the ranks' files here: a forked rank may have written them already.
         # The run clears them before each new attempt.
 
@@ -248,11 +251,28 @@ class HangGuard:
         for r in holders:
             if r in ask and "torch/utils/data" in self.stacks.get(r, ""):
                 self.workers[r] = self._dump_workers(r, ask[r])
+        self.flights = self._flights([r for r in live if r not in stopped])
         for r in stopped & set(live):  # continued: the teardown's SIGTERM then reaches it
             try:
                 os.kill(pids[r], signal.SIGCONT)
             except (KeyError, OSError):
                 pass
+
+    def _flights(self, live: list[int], wait: float = 1.0) -> dict[int, FlightDump]:
+        """torch's Flight Recorder of the ranks that keep one (`gangrun.rank.flight`)."""
+        ready = [r for r in live if flight_file.read(self.run_dir, r) is not None]
+        if not ready:
+            return {}
+        asked = flight_file.request(self.run_dir)
+        deadline = time.monotonic() + wait
+        got: dict[int, FlightDump] = {}
+        while time.monotonic() < deadline and len(got) < len(ready):
+            for r in ready:
+                dump = flight_file.read(self.run_dir, r)
+                if dump is not None and dump.time >= asked:
+                    got[r] = dump
+            time.sleep(0.05)
+        return got
 
     def _dump_workers(self, rank: int, pid: int) -> list[str]:
         import psutil
@@ -283,7 +303,7 @@ class HangGuard:
     def _places(self, quiet: dict[int, float]) -> tuple[RankPlace, ...]:
         return verdict.places(
             self.hang, self.rings, quiet, self.stopped, self.stacks, self.workers,
-            self.world_size, time.time(),
+            self.world_size, time.time(), self.flights,
         )  # fmt: skip
 
     def explain(self, pids: dict[int, int], live: list[int]) -> tuple[RankPlace, ...]:

@@ -17,6 +17,7 @@ import sysconfig
 from collections import Counter
 
 from ..wire.collectives import OpRecord, RingView
+from ..wire.flight import FlightDump
 from ..wire.hangs import Hang, RankPlace
 
 INIT = "init_process_group"
@@ -231,6 +232,7 @@ def places(
     workers: dict[int, list[str]],
     world: int,
     now: float,
+    flights: dict[int, FlightDump] | None = None,
 ) -> tuple[RankPlace, ...]:
     """Where each rank is, in words (the holders' words say how they hold the others)."""
     out = []
@@ -259,8 +261,22 @@ def places(
             if not inited and hang is not None and hang.op.op == INIT:
                 words = f"never reached {INIT}; {words}"
             words += f"; no progress for {q:.1f}s" if q >= 1 else "; making progress"
+        fl = (flights or {}).get(r)
+        if fl is not None and fl.entries:
+            words += f"; Flight Recorder: {flight_words(fl)}"
         out.append(RankPlace(r, site, words, cur, q, r in stopped))
     return tuple(out)
+
+
+def flight_words(dump: FlightDump) -> str:
+    """The device-side state of a rank's last collectives, in words."""
+    last = dump.entries[-1]
+    text = f"last {last.op} #{last.seq} {last.state}"
+    pending = [e for e in dump.entries if e.state != "completed"]
+    if pending and pending[0] is not last:
+        first = pending[0]
+        text += f", oldest not completed {first.op} #{first.seq} {first.state}"
+    return text
 
 
 def where_section(places_: tuple[RankPlace, ...], first: tuple[int, ...] = ()) -> str:

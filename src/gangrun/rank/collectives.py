@@ -33,6 +33,7 @@ from ..wire import collectives as ring_file
 from ..wire.collectives import OpRecord, Ring
 
 _ring: Ring | None = None
+_run_dir, _rank = "", 0
 _depth = [0]  # inside a recorded collective: torch's own nested calls are not recorded
 _seqs: dict[str, int] = {}
 _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its name)
@@ -231,6 +232,17 @@ def _wrap_region(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
     return region
 
 
+def _nccl() -> bool:
+    """The default process group uses NCCL (gloo's Flight Recorder dump can block while it
+    holds the GIL: it is read on NCCL only)."""
+    try:
+        import torch.distributed as dist
+
+        return "nccl" in str(dist.get_backend()).lower()
+    except Exception:  # no default group
+        return False
+
+
 def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
@@ -246,12 +258,17 @@ def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
             off = -1
         _depth[0] += 1
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             _depth[0] -= 1
             _seqs.pop("world", None)
             if off >= 0:
                 ring.leave(off, time.time())
+        if _run_dir and _nccl():
+            from . import flight
+
+            flight.start(_run_dir, _rank)  # torch's Flight Recorder, when it is on
+        return out
 
     setattr(init_process_group, _PATCHED, True)
     return init_process_group
@@ -312,7 +329,8 @@ def _forked() -> None:
 
 def install(run_dir: str, rank: int) -> None:
     """In a rank: start the ring and record ``torch.distributed`` from now on."""
-    global _ring
+    global _ring, _run_dir, _rank
+    _run_dir, _rank = run_dir, rank
     try:
         _ring = Ring.open(ring_file.path(run_dir, rank), rank)
     except (OSError, ValueError):  # no record then; the verdict falls back on stacks
