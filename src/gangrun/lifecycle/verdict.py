@@ -279,6 +279,43 @@ def flight_words(dump: FlightDump) -> str:
     return text
 
 
+def _inside(view: RingView, start: float, now: float) -> tuple[float, Counter[tuple[str, str]]]:
+    """Seconds of [start, now] the rank spent inside collectives, and per (op, site)."""
+    total, per = 0.0, Counter[tuple[str, str]]()  # seconds
+    for rec in view.records:
+        if rec.region or rec.op == INIT:
+            continue
+        t = min(rec.left or now, now) - max(rec.entered, start)
+        if t > 0:
+            total += t
+            per[(rec.op, rec.site)] += t  # type: ignore[assignment]  # a Counter of seconds
+    return total, per
+
+
+def slow_cause(rings: dict[int, RingView | None], rank: int, now: float, window: float) -> str:
+    """Why ``rank`` is slow, from the records: the share of their time its peers spend
+    waiting in collectives, against its own ('' when the records do not say)."""
+    views = {r: v for r, v in rings.items() if v is not None and v.records}
+    if rank not in views or len(views) < 2:
+        return ""
+    start = max([now - window] + [min(x.entered for x in v.records) for v in views.values()])
+    span = now - start
+    if span <= 0:
+        return ""
+    own, _ = _inside(views[rank], start, now)
+    waits, where = [], Counter[tuple[str, str]]()
+    for r, v in views.items():
+        if r != rank:
+            t, per = _inside(v, start, now)
+            waits.append(t)
+            where.update(per)
+    peers = sorted(waits)[len(waits) // 2] / span
+    if not where or peers <= own / span:
+        return ""
+    (op, site), _ = where.most_common(1)[0]
+    return f"its peers wait for it {peers:.0%} of their step in {op} at {short(site)}"
+
+
 def where_section(places_: tuple[RankPlace, ...], first: tuple[int, ...] = ()) -> str:
     order = [p for p in places_ if p.rank in first] + [p for p in places_ if p.rank not in first]
     return "\n".join(f"  rank {p.rank}: {p.words}" for p in order)
@@ -321,6 +358,7 @@ def message(
 
 
 __all__ = [
+    "slow_cause",
     "frames",
     "judge",
     "message",

@@ -169,6 +169,24 @@ class ProgressTracker:
         return out
 
 
+def with_causes(p: Progress, run: CallView, now: float) -> Progress:
+    """The slow ranks' causes, from the ranks' collective records (`verdict.slow_cause`)."""
+    if not p.slow or not run.run_dir:
+        return p
+    import dataclasses
+
+    from ..wire import collectives
+    from .verdict import slow_cause
+
+    rings = {r: collectives.read(run.run_dir, r) for r in range(run.call.world_size)}
+    ranks = dict(p.ranks)
+    for r in p.slow:
+        cause = slow_cause(rings, r, now, RATE_WINDOW_S)
+        if cause:
+            ranks[r] = dataclasses.replace(ranks[r], slow_cause=cause)
+    return dataclasses.replace(p, ranks=ranks)
+
+
 class Watch:
     """The watching side of one call (``run.watch``): `progress` reads the run
     directory (at most every `MIN_SAMPLE_S`), `stacks` asks the ranks."""
@@ -215,7 +233,7 @@ class Watch:
 
                 since = self._attempt_started
                 last_progress = {r: lp(run.run_dir, run.log_dir, r, since) for r in live}
-            self._last = self._tracker.update(reports, now, last_progress)
+            self._last = with_causes(self._tracker.update(reports, now, last_progress), run, now)
             return self._last
 
     def _live_ranks(self) -> list[int]:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..wire import collectives as ring_file
-from ..wire.collectives import OpRecord, Ring
+from ..wire.collectives import LEFT_AT, OpRecord, Ring
 
 _ring: Ring | None = None
 _run_dir, _rank = "", 0
@@ -202,7 +202,7 @@ def _wrap(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
         finally:
             _depth[0] -= 1
             if off >= 0:
-                ring.leave(off, time.time())
+                ring.stamp(off + LEFT_AT, time.time())
 
     setattr(recorded, _PATCHED, True)
     return recorded

@@ -16,6 +16,7 @@ aligned 8-byte store made when the op returns.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -30,7 +31,7 @@ HEADER = _HEADER.size
 # counter, entered, left, seq, numel, peer, op, group, shapes, site
 _SLOT = struct.Struct("<Qddqqi20s28s40s116s")
 SLOT = _SLOT.size
-_LEFT_AT = 16
+_LEFT_AT = LEFT_AT = 16
 _BUSY = struct.Struct("<Qddq")  # counter, entered, left, seq: what changes between calls
 _STATIC = struct.Struct("<qi20s28s40s116s")  # numel, peer, op, group, shapes, site
 _STATIC_AT = _BUSY.size
@@ -132,6 +133,8 @@ class Ring:
     def __init__(self, mm: mmap.mmap) -> None:
         self._mm = mm
         self._written = 0
+        # the hot path's "left" stamp: stamp(slot offset + LEFT_AT, time), one C call
+        self.stamp = functools.partial(_TIME.pack_into, mm)
 
     @classmethod
     def open(cls, file: str, rank: int) -> Ring:
@@ -212,5 +215,5 @@ def parse(buf: bytes | mmap.mmap) -> RingView | None:
     return RingView(rank, pid, written, tuple(out))
 
 
-__all__ = ["HEADER", "OpRecord", "REGIONS", "Ring", "RingView", "SIZE", "SLOT", "SLOTS", "parse",
+__all__ = ["HEADER", "OpRecord", "REGIONS", "Ring", "RingView", "SIZE", "SLOT", "SLOTS", "LEFT_AT", "parse",
            "path", "read", "static_bytes"]  # fmt: skip
