@@ -17,7 +17,7 @@ import time
 
 from ..api import RunHandle
 from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
-from ..lifecycle.hang import HangGuard
+from ..lifecycle.hang import AUTO_MIN_S, HangGuard
 from ..lifecycle.verdict import where_section
 from ..notebook.routing import CellWriter
 from ..rank import interactive_protocol as protocol
@@ -102,6 +102,7 @@ class Exchanges:
                 stopped = "interrupt"
             if stopped:
                 self._interrupt(pending, replies, readers, stopped, limit)
+                stopped = "hang" if stopped == "silent" else stopped
             self._drain(handle, replies)
             return self._outcome(replies, what, stopped, limit)
         finally:
@@ -117,6 +118,19 @@ class Exchanges:
     def _rank_pids(self) -> dict[int, int]:
         raise NotImplementedError
 
+    def _progress(self, ranks: set[int]) -> dict[int, int]:
+        """Ranks on other nodes (no record or process visible here): what each has shown of
+        itself, the bytes of output in its log (forwarded from any node)."""
+        assert self._handle is not None
+        out: dict[int, int] = {}
+        for r in ranks:
+            try:
+                st = os.stat(os.path.join(self._handle.log_dir, f"rank-{r}.log"))
+                out[r] = st.st_size + st.st_mtime_ns
+            except OSError:
+                out[r] = 0
+        return out
+
     def _gather(
         self,
         pending: set[int],
@@ -129,6 +143,12 @@ class Exchanges:
         when ``watch`` and the pending ranks made no progress for ``hang_timeout``."""
         assert self._handle is not None
         guard = self._guard if watch and self._guard is not None and self._guard.on else None
+        # ranks on other nodes: no record to read, their silence stands in for the verdict
+        silence = None
+        if watch and self._guard is None and self.hang_timeout is not None:
+            silence = AUTO_MIN_S if self.hang_timeout == "auto" else float(self.hang_timeout)
+        seen = self._progress(pending) if silence else {}
+        quiet_since = {r: time.monotonic() for r in pending}
         sel = selectors.DefaultSelector()
         try:
             for r in pending:
@@ -158,6 +178,13 @@ class Exchanges:
                     if guard.check(ranks, pids):
                         guard.dump_stacks(pids, ranks)
                         return "hang"
+                if silence and pending:
+                    now, cur = time.monotonic(), self._progress(pending)
+                    for r in pending:
+                        if cur.get(r) != seen.get(r):
+                            seen[r], quiet_since[r] = cur[r], now
+                    if all(now - quiet_since[r] > silence for r in pending):
+                        return "silent"
             return None
         finally:
             sel.close()
@@ -182,6 +209,18 @@ class Exchanges:
             self._hang_error = guard.error(
                 "the execution", run_id, log_dir, "The execution was interrupted on every rank."
             )
+        if why == "silent":  # ranks elsewhere: their stacks print into the cell
+            for r in sorted(pending):
+                self._signal(r, signal.SIGUSR1)
+            time.sleep(0.2)
+            self._hang_error = DistributedHangError(
+                f"the execution made no progress on rank(s) {', '.join(map(str, sorted(pending)))}"
+                f" (ranks on other nodes: no output) for hang_timeout={self.hang_timeout}; their "
+                "stacks are printed above (and in g.handle.logs(rank)). The execution was "
+                "interrupted.",
+                rank=min(pending),
+                ranks=sorted(pending),
+            )
         for r in sorted(pending):
             self._signal(r, signal.SIGINT)
         try:
@@ -204,7 +243,7 @@ class Exchanges:
                 rank=min(pending),
                 where=() if guard is None else guard.places,
             )
-        if why == "hang":
+        if why in ("hang", "silent"):
             raise self._hung(f"\n{msg}")
         raise KeyboardInterrupt(msg)
 
