@@ -108,7 +108,8 @@ def duration_from_text(name: str, text: str) -> float | None:
     try:
         value = parse_duration(text)
     except ValueError as exc:
-        raise LaunchError(f"{name}={text!r}: {exc}.") from None
+        also = ", or auto" if name in AUTO else ""
+        raise LaunchError(f"{name}={text!r}: {exc}{also}.") from None
     if value is None and not nullable:
         raise LaunchError(f"{name} cannot be none, give a duration like 90s or 5m.")
     if value == 0 and zero_is_none:

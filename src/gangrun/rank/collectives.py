@@ -148,8 +148,8 @@ def _wrap(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
     t_at, g_at, p_at, a_at = at(tensor_param), at("group"), at(peer_param), at("async_op")
     t_kw, p_kw = tensor_param or "", peer_param or ""
     issued_only = peer_param is not None and op.startswith("i")
-    # call site (code, line, group, peer) -> (tensor seen, its numel, dtype, seq key, bytes);
-    # (): the caller is torch's own code, whose user site varies (not cached)
+    # call site (code id, line, group, peer) -> (tensor seen, its numel, dtype, seq key, bytes,
+    # code); (code,) alone: the caller is torch's own code, whose user site varies
     statics: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     def site_of(f: Any, t: Any, group: Any, peer: Any) -> tuple[Any, ...]:
@@ -177,15 +177,17 @@ def _wrap(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
                 if peer is None:
                     peer = kwargs.get("group_" + p_kw)
             f = sys._getframe(1)
-            key = (f.f_code, f.f_lineno, group, peer)
+            code = f.f_code
+            key = (id(code), f.f_lineno, group, peer)  # id: hashing a code object is slow
             known = statics.get(key)
-            if known is None or (
-                known
-                and known[0] is not t
+            if (
+                known is None
+                or known[-1] is not code  # another code object at a freed one's address
+                or known[0] is not t
                 and (t is None or known[1] != t.numel() or known[2] != t.dtype)
             ):
-                known = statics[key] = site_of(f, t, group, peer)
-            if not known:  # called from torch's own code: the user's line, walked to
+                known = statics[key] = (*site_of(f, t, group, peer), code)
+            if len(known) == 1:  # called from torch's own code: the user's line, walked to
                 seq_key, static = _static(op, group, peer, t, call_site(2), peer_param)
             else:
                 seq_key, static = known[3], known[4]
