@@ -37,6 +37,9 @@ WRITERS = [
     "gangrun/rank/progress.py",  # progress.<rank>
     "gangrun/rank/heartbeat.py",  # heartbeat.<rank>
     "gangrun/rank/stacks.py",  # stacks.<rank>
+    "gangrun/rank/collectives.py",  # collectives.<rank>
+    "gangrun/rank/flight.py",  # flight.<rank>
+    "gangrun/lifecycle/hang.py",  # flight.request
     *sorted(str(p.relative_to(SRC)) for p in WIRE.glob("*.py")),
 ]
 WIRE_RECORDS = {
