@@ -131,3 +131,18 @@ def all_asleep(seconds: float) -> int:
     time.sleep(seconds)
     dist.barrier()
     return dist.get_rank()
+
+
+def ddp_backward(mark: str, holder: int) -> None:
+    """DDP: rank ``holder`` sleeps before its third backward(); the others block in theirs
+    (DDP's all-reduce runs from C++ autograd hooks: the record has the backward() line)."""
+    torch, dist = _init()
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 4))
+    for step in range(3):
+        loss = model(torch.randn(8, 4)).sum()
+        if step == 2 and dist.get_rank() == holder:
+            _began(mark)
+            time.sleep(600)  # at: ddp holder
+        loss.backward()  # at: ddp backward

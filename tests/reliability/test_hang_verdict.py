@@ -67,6 +67,13 @@ def test_skipped_collective_names_the_sleeping_rank(tmp_path):
     assert delay < T + SLACK, delay
 
 
+def test_ddp_rank_missing_its_backward(tmp_path):
+    err, delay = hang("ddp_backward", 2, 1, tmp_path)
+    check(err, 1, "backward", at("ddp backward"), f"at {at('ddp holder')} in ddp_backward")
+    assert "rank 0: in backward at " + at("ddp backward") in str(err)
+    assert delay < T + SLACK, delay
+
+
 def test_collectives_in_another_order(tmp_path):
     err, delay = hang("reordered", 3, 2, tmp_path)
     check(err, 2, "all_reduce", at("reordered collective"), "while rank 0 is in all_reduce #2")

@@ -253,8 +253,8 @@ def places(
             waited = now - cur.entered
             words = f"in {op_words(cur)}, for {waited:.1f}s"
             if cur.region:
-                words = (f"in backward() at {short(cur.site)} (DDP/FSDP collectives run there), "
-                         f"for {waited:.1f}s")  # fmt: skip
+                words = (f"in {cur.op} at {short(cur.site)} (where DDP/FSDP communicate from "
+                         f"C++), for {waited:.1f}s")  # fmt: skip
         else:
             site, words = _outside_words(stack, workers.get(r, []))
             inited = ring is not None and any(x.op == INIT for x in ring.records)

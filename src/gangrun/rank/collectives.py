@@ -10,8 +10,9 @@ and stamps its end after: a few microseconds against the tens of microseconds of
 smallest collective (docs/benchmarks.md).
 
 DDP's and FSDP's collectives run from C++ autograd hooks, which no Python wrapper sees:
-``Tensor.backward`` and ``torch.autograd.backward`` are recorded as a region that may
-communicate, so a rank stuck there is placed at the user's ``backward()`` line. Ops with
+``Tensor.backward``, ``torch.autograd.backward`` and ``DistributedDataParallel.forward``
+(which rebuilds its buckets with a broadcast) are recorded as regions that may communicate,
+so a rank stuck there is placed at the user's ``backward()`` or ``model(x)`` line. Ops with
 ``async_op=True`` (and ``isend``/``irecv``) are recorded as issued: the wait on their
 ``Work`` is not seen. A DataLoader worker forked from the rank records nothing.
 """
@@ -35,6 +36,7 @@ from ..wire.collectives import LEFT_AT, OpRecord, Ring
 _ring: Ring | None = None
 _run_dir, _rank = "", 0
 _depth = [0]  # inside a recorded collective: torch's own nested calls are not recorded
+_regions = [0]  # inside a region that may communicate (backward(), a DDP forward)
 _seqs: dict[str, int] = {}
 _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its name)
 _internal: dict[Any, bool] = {}  # code object -> in torch, gangrun or the standard library
@@ -214,7 +216,7 @@ def _wrap_region(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def region(*args: Any, **kwargs: Any) -> Any:
         ring = _ring
-        if ring is None or _depth[0]:
+        if ring is None or _depth[0] or _regions[0]:
             return fn(*args, **kwargs)
         off = -1
         try:
@@ -222,11 +224,11 @@ def _wrap_region(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
             off = ring.enter(OpRecord(op, "world", seq, -1, -1, "", call_site(), time.time(), 0.0))
         except Exception:  # recording must never break the user's call
             off = -1
-        _depth[0] += 1  # the autograd.backward inside Tensor.backward is the same region
-        try:
+        _regions[0] += 1  # a region inside a region (autograd.backward in Tensor.backward) is
+        try:  # the same one; collectives inside it are recorded
             return fn(*args, **kwargs)
         finally:
-            _depth[0] -= 1
+            _regions[0] -= 1
             if off >= 0:
                 ring.leave(off, time.time())
 
@@ -299,6 +301,11 @@ def patch(dist: Any) -> None:
         fn = getattr(owner, "backward", None)
         if owner is not None and fn is not None and not getattr(fn, _PATCHED, False):
             owner.backward = _wrap_region(fn, "backward")
+    ddp = sys.modules.get("torch.nn.parallel.distributed")  # imported with torch.nn
+    cls = getattr(ddp, "DistributedDataParallel", None)
+    fn = getattr(cls, "forward", None)
+    if cls is not None and fn is not None and not getattr(fn, _PATCHED, False):
+        cls.forward = _wrap_region(fn, "DDP forward")  # it may broadcast (bucket rebuilds)
 
 
 class _Hook(importlib.abc.MetaPathFinder):

@@ -41,7 +41,7 @@ _TIME = struct.Struct("<d")
 
 # Ops that are not collectives: a region of user code that may communicate (DDP's and FSDP's
 # collectives run from C++ autograd hooks inside backward(), which Python cannot see).
-REGIONS = frozenset({"backward"})
+REGIONS = frozenset({"backward", "DDP forward"})
 
 
 @dataclass(frozen=True)
