@@ -146,3 +146,21 @@ def ddp_backward(mark: str, holder: int) -> None:
             _began(mark)
             time.sleep(600)  # at: ddp holder
         loss.backward()  # at: ddp backward
+
+
+def compiled_collective() -> list[int]:
+    """torch.compile still maps the (recorded) collectives: no graph break; and eager calls
+    are recorded."""
+    torch, dist = _init()
+
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    explained = torch._dynamo.explain(f)(torch.ones(4))
+    from gangrun.wire import collectives
+
+    f(torch.ones(4))
+    ring = collectives.read(os.environ["GANGRUN_RUN_DIR"], dist.get_rank())
+    return [explained.graph_break_count, sum(r.op == "all_reduce" for r in ring.records)]

@@ -136,6 +136,11 @@ def test_every_rank_asleep_outside_collectives_is_no_hang():
     assert fn.distributed(T + 3) == [0, 1]
 
 
+def test_the_record_leaves_torch_compile_its_collectives():
+    fn = gangrun.distributed(processes=2, timeout=120, mlflow=False)(hang_funcs.compiled_collective)
+    assert fn.distributed() == [[0, 1], [0, 1]]  # no graph break; the eager call recorded
+
+
 def test_timeout_says_where_each_rank_was(tmp_path):
     fn = gangrun.distributed(processes=2, timeout=12, hang_timeout=None, mlflow=False)(
         hang_funcs.skipped

@@ -37,6 +37,15 @@ _ring: Ring | None = None
 _run_dir, _rank = "", 0
 _depth = [0]  # inside a recorded collective: torch's own nested calls are not recorded
 _regions = [0]  # inside a region that may communicate (backward(), a DDP forward)
+
+
+def _never() -> bool:
+    return False
+
+
+# torch.compiler.is_compiling once torch is there: while dynamo traces a function, the
+# wrappers step aside, so it still sees (and maps) torch's own collectives
+_compiling = _never
 _seqs: dict[str, int] = {}
 _groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its name)
 _internal: dict[Any, bool] = {}  # code object -> in torch, gangrun or the standard library
@@ -165,7 +174,7 @@ def _wrap(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         ring = _ring
-        if ring is None or _depth[0]:
+        if ring is None or _depth[0] or _compiling():
             return fn(*args, **kwargs)
         _depth[0] += 1
         off = -1
@@ -216,7 +225,7 @@ def _wrap_region(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def region(*args: Any, **kwargs: Any) -> Any:
         ring = _ring
-        if ring is None or _depth[0] or _regions[0]:
+        if ring is None or _depth[0] or _regions[0] or _compiling():
             return fn(*args, **kwargs)
         off = -1
         try:
@@ -251,7 +260,7 @@ def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         ring = _ring
-        if ring is None or _depth[0]:
+        if ring is None or _depth[0] or _compiling():
             return fn(*args, **kwargs)
         off = -1
         try:
@@ -278,10 +287,27 @@ def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
     return init_process_group
 
 
+def _tell_dynamo(c10d: Any) -> None:
+    """torch.compile maps torch's collectives to traceable ones by identity
+    (``traceable_collective_remaps``): the wrappers map as the functions they wrap (once that
+    table is made after the patch, it holds the wrappers already)."""
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    remaps = getattr(fc, "traceable_collective_remaps", None)
+    if not isinstance(remaps, dict) or c10d is None:
+        return
+    for name in _OPS:
+        wrapper = getattr(c10d, name, None)
+        original = getattr(wrapper, "__wrapped__", None)
+        if original in remaps:
+            remaps[wrapper] = remaps[original]
+
+
 def patch(dist: Any) -> None:
     """Wrap ``torch.distributed``'s ops (module and ``distributed_c10d`` alike), once."""
-    global _dirs
+    global _dirs, _compiling
     _dirs = _own_dirs()
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    _compiling = getattr(compiler, "is_compiling", None) or _never
     c10d = getattr(dist, "distributed_c10d", None)
     for mod in (c10d, dist):
         if mod is None:
@@ -289,11 +315,14 @@ def patch(dist: Any) -> None:
         for name in (*_OPS, "init_process_group"):
             fn = getattr(mod, name, None)
             if fn is None or getattr(fn, _PATCHED, False):
-                if c10d is not None and mod is dist and fn is not None:
-                    setattr(dist, name, getattr(c10d, name, fn))  # the same wrapper
+                continue
+            done = getattr(c10d, name, None) if mod is dist else None
+            if done is not None and getattr(done, "__wrapped__", None) is fn:
+                setattr(dist, name, done)  # the same function: the same wrapper
                 continue
             wrapped = _wrap_init(fn) if name == "init_process_group" else _wrap(fn, name)
             setattr(mod, name, wrapped)
+    _tell_dynamo(c10d)
     torch = sys.modules.get("torch")
     if torch is None:
         return
