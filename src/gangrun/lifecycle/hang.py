@@ -102,9 +102,9 @@ class _Sampler:
                 proc = self.proc if p == pid else psutil.Process(p)
                 t = proc.cpu_times()
                 cpu += t.user + t.system + t.children_user + t.children_system
-                c = proc.io_counters()
-                io += getattr(c, "read_chars", c.read_bytes)
-                io += getattr(c, "write_chars", c.write_bytes)
+                c = proc.io_counters()  # syscalls' bytes, and the disk's (page faults too)
+                io += getattr(c, "read_chars", 0) + getattr(c, "write_chars", 0)
+                io += c.read_bytes + c.write_bytes
             except (psutil.Error, OSError):
                 continue
         return cpu, io, stopped
