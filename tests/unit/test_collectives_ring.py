@@ -119,3 +119,18 @@ def test_flight_recorder_is_dumped_on_request_and_said(tmp_path, monkeypatch):
     init = OpRecord("init_process_group", "world", 0, -1, -1, "", "/a/t.py:5", 1.0, 2.0)
     places = verdict.places(None, {1: view(1, init, rec())}, {}, set(), {}, {}, 2, 110.0, got)
     assert "Flight Recorder: last all_reduce #12 started" in places[1].words
+
+
+def test_auto_timeout_is_three_p99_step_times_at_least_ten_seconds(tmp_path):
+    from gangrun.lifecycle.hang import AUTO_MIN_S, HangGuard
+    from gangrun.wire import progress
+
+    guard = HangGuard(str(tmp_path), str(tmp_path), 1, "auto")
+    assert guard.on and guard.timeout == AUTO_MIN_S == 10.0
+    fd = progress.open_for_writing(str(tmp_path), 0)
+    for step, t in ((1, 100.0), (2, 102.0), (4, 110.0)):  # 2 s, then 4 s per step
+        progress.write(fd, progress.StepReport(0, step, None, None, 1, 100.0, t))
+        guard.sample({}, [0])
+    assert guard.timeout == 12.0  # 3 x the slowest (p99) of the step times seen
+    assert HangGuard(str(tmp_path), str(tmp_path), 1, 4.0).timeout == 4.0  # explicit T
+    assert not HangGuard(str(tmp_path), str(tmp_path), 1, None).on  # off
