@@ -33,9 +33,11 @@ def at(marker: str) -> str:
     raise AssertionError(f"no line marked {marker!r}")
 
 
-def hang(kind: str, world: int, holder: int, tmp_path: Path) -> tuple[DistributedHangError, float]:
+def hang(
+    kind: str, world: int, holder: int, tmp_path: Path, **opts: str
+) -> tuple[DistributedHangError, float]:
     mark = tmp_path / "began"
-    fn = gangrun.distributed(processes=world, timeout=120, hang_timeout=T, mlflow=False)(
+    fn = gangrun.distributed(processes=world, timeout=120, hang_timeout=T, mlflow=False, **opts)(
         getattr(hang_funcs, kind)
     )
     with pytest.raises(DistributedHangError) as ei:
@@ -71,6 +73,13 @@ def test_ddp_rank_missing_its_backward(tmp_path):
     err, delay = hang("ddp_backward", 2, 1, tmp_path)
     check(err, 1, "backward", at("ddp backward"), f"at {at('ddp holder')} in ddp_backward")
     assert "rank 0: in backward at " + at("ddp backward") in str(err)
+    assert delay < T + SLACK, delay
+
+
+def test_fresh_interpreter_ranks_record_through_the_import_hook(tmp_path):
+    # spawned ranks import torch themselves: the record is installed when they do
+    err, delay = hang("skipped", 2, 1, tmp_path, start_method="spawn")
+    check(err, 1, "all_reduce", at("skipped collective"), at("skipped holder"))
     assert delay < T + SLACK, delay
 
 
