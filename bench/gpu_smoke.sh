@@ -7,7 +7,9 @@
 # ZeRO 1/2/3; each trains on all visible GPUs, checks that the loss drops and that the ranks
 # agree, and (all but DDP) saves a sharded checkpoint halfway, resumes from it in a second
 # call and checks it ends on the same parameters; long_run.py (gangrun.Checkpointer, DDP and
-# FSDP2) is preempted mid-run with cancel(checkpoint=True), resumed, and compared. Prints PASS/FAIL per example, keeps each
+# FSDP2) is preempted mid-run with cancel(checkpoint=True), resumed, and compared; a rank that
+# skips an NCCL all_reduce is named by the hang verdict with the ranks' Flight Recorder state
+# (bench/hang_nccl.py). Prints PASS/FAIL per example, keeps each
 # example's log, exits non-zero if any failed. About 1-2 min on an 8-GPU node; each example
 # is capped at EXAMPLE_TIMEOUT seconds (default 100) so the whole run stays under 5 minutes.
 set -u -o pipefail
@@ -66,6 +68,7 @@ run deepspeed-2 examples/deepspeed_train.py --stage 2 --ckpt "$WORK/ckpt-ds2"
 run deepspeed-3 examples/deepspeed_train.py --stage 3 --ckpt "$WORK/ckpt-ds3"
 run long-run    examples/long_run.py        --ckpt "$WORK/ckpt-long"
 run long-fsdp2  examples/long_run.py        --framework fsdp2 --ckpt "$WORK/ckpt-long-fsdp2"
+run hang-nccl   bench/hang_nccl.py          # the hang verdict reads NCCL's Flight Recorder
 
 echo "total $((SECONDS - start_all))s, $failed failed"
 if [ $failed -eq 0 ]; then

@@ -39,6 +39,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "reliability/test_call_lifecycle.py": (),
     "reliability/test_concurrency.py": (),
     "reliability/test_disk_and_forkserver.py": (),
+    "reliability/test_hang_verdict.py": (),
     "reliability/test_launch_items.py": (),
     "reliability/test_one_writer.py": (),
     "reliability/test_oom.py": (),

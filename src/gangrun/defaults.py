@@ -25,7 +25,7 @@ from typing import Any
 
 from .durations import parse_duration
 from .errors import LaunchError
-from .options import GROUPS, ZERO_IS_NONE  # 0 means "no limit" for timeout, hang_timeout
+from .options import AUTO, GROUPS, ZERO_IS_NONE  # 0 means "no limit" for timeout, hang_timeout
 from .wire.contract import RUN_ID, option_var
 
 # Option names whose GANGRUN_ variable means something else inside gangrun's own processes:
@@ -121,6 +121,8 @@ def parse_value(name: str, text: str) -> Any:
     if kind == "bool":
         return parse_bool(t)
     if kind == "duration":
+        if name in AUTO and t.lower() == "auto":
+            return "auto"
         value = parse_duration(t)
         if value is None and not _nullable(ann):
             raise ValueError(f"{name} cannot be none, give a duration like 90s or 5m")

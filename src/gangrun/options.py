@@ -108,6 +108,7 @@ DURATIONS: dict[str, tuple[bool, bool]] = {
     "restart_backoff": (False, False),
     "restart_backoff_max": (False, False),
 }
+AUTO = frozenset({"hang_timeout"})  # may be "auto" (lifecycle/hang.py decides the seconds)
 ZERO_IS_NONE = frozenset(n for n, (_, zero) in DURATIONS.items() if zero)
 
 
@@ -115,10 +116,13 @@ def duration_from_text(name: str, text: str) -> float | None:
     """Option ``name``'s value written as a duration (``"10m"``), as ``GANGRUN_<OPTION>`` and
     the command line read it: ``"none"`` (where allowed), ``"0"`` no limit for timeouts."""
     nullable, zero_is_none = DURATIONS[name]
+    if name in AUTO and str(text).strip().lower() == "auto":
+        return "auto"  # type: ignore[return-value]  # hang_timeout: from the step times seen
     try:
         value = parse_duration(text)
     except ValueError as exc:
-        raise LaunchError(f"{name}={text!r}: {exc}.") from None
+        also = ", or auto" if name in AUTO else ""
+        raise LaunchError(f"{name}={text!r}: {exc}{also}.") from None
     if value is None and not nullable:
         raise LaunchError(f"{name} cannot be none, give a duration like 90s or 5m.")
     if value == 0 and zero_is_none:
@@ -305,7 +309,11 @@ class Options:
         forkserver: the warm fork server local ranks fork from:
             [`ForkServerOptions`][gangrun.options.ForkServerOptions] (preloaded modules, start timeout).
         log_system_metrics: log CPU/GPU/memory metrics to the MLflow run.
-        hang_timeout: stop the gang when a rank makes no progress for this many seconds.
+        hang_timeout: the hang verdict's T (docs/reliability.md): when a rank has waited this
+            many seconds in a collective that a peer neither joins nor makes progress towards
+            (or joined mismatched), the call stops with `DistributedHangError` naming that
+            peer. ``"auto"`` (default): max(10 s, 3x the p99 step time seen so far);
+            ``None`` or 0: off.
         gpu_wait: seconds to wait for GPUs busy with another call of this user (0: fail at
             once, ``None``: no limit).
         checkpoint_dir: where the call's checkpoints live (a directory or any fsspec URL),
@@ -337,7 +345,7 @@ class Options:
     run_name: str | None = None
     run_id: str | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
-    hang_timeout: float | None = None
+    hang_timeout: float | str | None = "auto"  # or "auto": from the step times seen
     # GPUs busy with another call of this user: wait up to this many seconds for them
     # (0: fail at once with LaunchError, None: wait without limit). See gangrun.host.reservation.
     gpu_wait: float | None = 0.0
@@ -377,7 +385,9 @@ class Options:
         _int("min_ranks", self.min_ranks, 1)
         for name in ("timeout", "hang_timeout"):  # ZERO_IS_NONE: 0 is no limit, as the text "0"
             v = getattr(self, name)
-            if v is None or (v == 0 and _seconds(v)):
+            if v is None or (name in AUTO and v == "auto"):
+                continue
+            if v == 0 and _seconds(v):
                 object.__setattr__(self, name, None)
                 continue
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -483,6 +493,7 @@ __all__ = [
     "ForkServerOptions",
     "GROUPS",
     "DEFAULT_TIMEOUT",
+    "AUTO",
     "DURATIONS",
     "duration_from_text",
 ]

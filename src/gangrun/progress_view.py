@@ -24,6 +24,7 @@ class RankProgress:
     rate: float | None = None  # steps per second, recent
     slow_ratio: float | None = None  # set while the rank is slow: its rate / the others' median
     silent_for: float | None = None  # set while the rank is silent: seconds without progress
+    slow_cause: str = ""  # why it is slow, from the collective record ("" unknown)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ def fmt_rate(rate: float | None) -> str:
     return f"{rate:.3g} steps/s" if rate >= 0.1 else f"{60 * rate:.3g} steps/min"
 
 
+def _slow_words(p: Progress, rank: int, ratio: float) -> str:
+    cause = p.ranks[rank].slow_cause
+    return f"rank {rank} ({ratio:.2f}x" + (f"; {cause})" if cause else ")")
+
+
 def summary_line(p: Progress) -> str:
     """``step 120/1000 (12%) · 3.2 steps/s · ETA 4m35s · slow: rank 1 (0.45x)``, then
     ``memory: rank 1 at 93% of its limit`` once a rank is that near ('' when no rank
@@ -80,9 +86,7 @@ def summary_line(p: Progress) -> str:
     if p.eta_s is not None:
         parts.append(f"ETA {fmt_duration(p.eta_s)}")
     if p.slow:
-        parts.append(
-            "slow: " + ", ".join(f"rank {r} ({x:.2f}x)" for r, x in sorted(p.slow.items()))
-        )
+        parts.append("slow: " + ", ".join(_slow_words(p, r, x) for r, x in sorted(p.slow.items())))
     if p.silent:
         parts.append(
             "silent: " + ", ".join(f"rank {r} ({fmt_duration(s)})" for r, s in p.silent.items())

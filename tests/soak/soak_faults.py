@@ -20,6 +20,13 @@ while the ranks log metrics: they keep training, the results come back at once) 
 (point ``result``), or it fills the disk and raises (``record``: no room for its error
 record), or the payload itself does not fit (``payload``)).
 
+Hang-verdict kinds (point ``verdict``, `verdict_rank`): one per kind of hang the verdict names
+(``hang_skipped``, ``hang_reordered``, ``hang_mismatched``, ``hang_dataloader``, ``hang_lock``,
+``hang_init``, ``hang_stopped``: the victim holds the others) and healthy ones it must leave
+alone (``busy_barrier``: the victim computes while the others wait at a barrier,
+``asleep_outside``: every rank sleeps outside any collective, ``slow_reader``: the victim reads
+a file slowly while the others wait, ``slow_loader``: its DataLoader is slow but moving).
+
 Scenario kinds (no ``point``): ``long_line`` (the victim writes a long line without a newline,
 then raises), ``native_printf`` (every rank prints through C ``printf``, which must arrive),
 ``concurrent_env`` (two calls at once with different start-up environments: both succeed),
@@ -42,6 +49,12 @@ CALLER_KINDS = ("interrupt", "cancel", "caller_kill", "caller_forks")
 SCENARIO_KINDS = ("long_line", "native_printf", "concurrent_env", "early_exit0", "resume")
 OUTAGE_KINDS = ("tracking_killed", "disk_full")
 DISK_POINTS = ("result", "record", "payload")
+VERDICT_KINDS = (
+    "hang_skipped", "hang_reordered", "hang_mismatched", "hang_dataloader", "hang_lock",
+    "hang_init", "hang_stopped",
+)  # fmt: skip
+HEALTHY_KINDS = ("busy_barrier", "asleep_outside", "slow_reader", "slow_loader")
+VERDICT_T = 2.0  # the hang_timeout of the verdict kinds
 OPTIONAL_KINDS: tuple[str, ...] = ()  # kinds drawn only when named in GANGRUN_SOAK_KINDS
 CHEAP_POINTS = ("startup", "print", "checkpoint", "return")
 TORCH_POINTS = ("before_init", "collective")
@@ -223,6 +236,84 @@ def soak_rank(plan: dict) -> object:
         return t.tolist()
     if caller_side or plan["others"] == "sleep":
         _wait_forever()
+    return rank
+
+
+class _Items:
+    """A dataset whose items take ``pause`` seconds each; item ``block`` never comes."""
+
+    def __init__(self, pause: float, block: int) -> None:
+        self.pause, self.block = pause, block
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> object:
+        import torch
+
+        if i == self.block:
+            _wait_forever()
+        time.sleep(self.pause)
+        return torch.ones(4)
+
+
+def _slow_read(seconds: float) -> None:
+    """Read a file in small pieces for ``seconds`` (little CPU, bytes moving)."""
+    path = os.path.join(os.environ["GANGRUN_RUN_DIR"], "slow-read")
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    end = time.monotonic() + seconds
+    with open(path, "rb", buffering=0) as f:
+        while time.monotonic() < end:
+            if not f.read(4096):
+                f.seek(0)
+            time.sleep(0.01)
+    os.unlink(path)
+
+
+def verdict_rank(plan: dict) -> int:
+    """The hang-verdict kinds (see the module)."""
+    import torch
+    import torch.distributed as dist
+
+    kind, rank = plan["kind"], int(os.environ["RANK"])
+    me = rank == plan["victim"]
+    if kind == "hang_init" and me:
+        _wait_forever()
+    dist.init_process_group("gloo")
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if kind == "hang_skipped" and me:
+        _wait_forever()
+    if kind == "hang_reordered":
+        for op in ("broadcast", "all_reduce") if me else ("all_reduce", "broadcast"):
+            dist.broadcast(t, 0) if op == "broadcast" else dist.all_reduce(t)
+    if kind == "hang_mismatched":
+        dist.all_reduce(torch.ones(0) if me else t)  # gloo lets the empty one through
+        if me:
+            _wait_forever()
+    if kind == "hang_lock" and me:
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()
+    if kind == "hang_stopped" and me:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind in ("hang_dataloader", "slow_loader"):
+        pause = VERDICT_T * 0.6 if kind == "slow_loader" and me else 0.0
+        block = 2 if kind == "hang_dataloader" and me else -1
+        loader = torch.utils.data.DataLoader(_Items(pause, block), batch_size=1, num_workers=1)
+        for batch in loader:
+            dist.all_reduce(batch)
+    if kind == "busy_barrier" and me:
+        end = time.monotonic() + VERDICT_T + 2
+        while time.monotonic() < end:
+            pass
+    if kind == "asleep_outside":
+        time.sleep(VERDICT_T + 1)
+    if kind == "slow_reader" and me:
+        _slow_read(VERDICT_T + 2)
+    dist.all_reduce(t)
+    dist.barrier()
     return rank
 
 

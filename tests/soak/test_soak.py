@@ -33,16 +33,20 @@ from soak_faults import (
     CALLER_KINDS,
     CHEAP_POINTS,
     DISK_POINTS,
+    HEALTHY_KINDS,
     OPTIONAL_KINDS,
     OUTAGE_KINDS,
     RANK_KINDS,
     SCENARIO_KINDS,
     TORCH_POINTS,
+    VERDICT_KINDS,
+    VERDICT_T,
     SoakFault,
     native_marker,
     ok_rank,
     resume_rank,
     soak_rank,
+    verdict_rank,
 )
 
 import gangrun
@@ -53,6 +57,7 @@ from gangrun.errors import DistributedCancelledError
 pytestmark = [pytest.mark.soak, pytest.mark.slow]
 
 CI_RUNS = 40
+VERDICT_SHARE = 0.08  # of the runs: a hang-verdict kind (soak_faults.VERDICT_KINDS, HEALTHY_KINDS)
 RUNS = int(os.environ.get("GANGRUN_SOAK_RUNS", str(CI_RUNS)))
 # A fixed default keeps CI reproducible; `make soak` draws a fresh seed each time. The CI seed
 # is chosen so that its first CI_RUNS runs hold every fault kind and every injection point at
@@ -122,6 +127,14 @@ def make_plan(seed: int, ckpt_dir: str) -> dict:
     if point in TORCH_POINTS:
         plan["others"] = "sleep"  # peers take part in the collectives
         plan["delay"] += 1.5  # caller-side faults: let them get into torch
+    # The hang verdict's kinds, drawn apart (the draws above stay those of earlier soaks)
+    vr = random.Random(f"verdict-{seed}")
+    if vr.random() < VERDICT_SHARE:
+        plan.update(kind=vr.choice(VERDICT_KINDS + HEALTHY_KINDS), point="verdict", guard=True)
+        if plan["kind"] == "hang_reordered":  # a 1-1 split names the higher rank
+            plan["victim"] = plan["world"] - 1
+        if plan["kind"] == "hang_mismatched":  # an empty all_reduce: 2 ranks
+            plan["world"], plan["victim"] = 2, plan["victim"] % 2
     return plan
 
 
@@ -227,14 +240,14 @@ def _expect_rank_fault(plan: dict, err: BaseException | None) -> str | None:
     kind, victim, point = plan["kind"], plan["victim"], plan["point"]
     if err is None:
         return "the call returned although a rank failed"
-    if kind == "hang" and plan["guard"]:
+    if kind == "hang" and plan["guard"] and point in TORCH_POINTS:
         if not isinstance(err, DistributedHangError):
             return f"expected DistributedHangError, got {type(err).__name__}: {err}"
-        # sleeping peers are silent too: the guard may catch one of them before the victim
-        if not err.ranks or (plan["others"] == "finish" and err.ranks != [victim]):
-            return f"hung rank {victim}: silent ranks reported {err.ranks}: {err}"
-        if not all(err.stacks.get(r) for r in err.ranks):
-            return f"no stack for a silent rank: {err.stacks}"
+        # the peers wait in the collective (or the rendezvous): the victim holds them
+        if err.ranks != [victim] or err.rank != victim:
+            return f"hung rank {victim}: holding ranks reported {err.ranks}: {err}"
+        if not err.stacks.get(victim):
+            return f"no stack for the holding rank: {err.stacks}"
         return None
     if kind == "hang":
         if not isinstance(err, DistributedTimeoutError):
@@ -264,9 +277,49 @@ def _expect_rank_fault(plan: dict, err: BaseException | None) -> str | None:
 
 
 def _timeout_for(plan: dict) -> float:
-    if plan["kind"] == "hang" and not plan["guard"]:
-        return 5.0 if plan["point"] in TORCH_POINTS else 2.0
+    torch_point = plan["point"] in TORCH_POINTS
+    if plan["kind"] == "hang" and not (plan["guard"] and torch_point):
+        # no collective held up (or the verdict off): the call's timeout ends it
+        return 5.0 if torch_point else 2.0
     return 90.0
+
+
+_VERDICTS = {  # kind -> (verdict kind, the collective waited in, words of the victim's place)
+    "hang_skipped": ("not entered", "all_reduce", "outside any collective"),
+    "hang_reordered": ("mismatch", "all_reduce", "in broadcast #2"),
+    "hang_mismatched": ("mismatch", "all_reduce", "with 0 elements where rank"),
+    "hang_dataloader": ("not entered", "all_reduce", "in DataLoader.__next__ (worker 0 blocked"),
+    "hang_lock": ("not entered", "all_reduce", "outside any collective"),
+    "hang_init": ("never initialized", "init_process_group", "never reached init_process_group"),
+    "hang_stopped": ("stopped", "all_reduce", "stopped (SIGSTOP)"),
+}
+
+
+def _run_verdict(plan: dict) -> str | None:
+    """A hang-verdict kind: the victim named as the holder, with the collective and its place;
+    a healthy kind: no verdict."""
+    fn = gangrun.distributed(
+        processes=plan["world"], timeout=60, hang_timeout=VERDICT_T, grace_period=plan["grace"]
+    )(verdict_rank)
+    kind, victim = plan["kind"], plan["victim"]
+    try:
+        got = fn.distributed(plan)
+    except DistributedHangError as err:
+        if kind in HEALTHY_KINDS:
+            return f"{kind} is no hang, but: {err}"
+        want, op, words = _VERDICTS[kind]
+        h = err.hang
+        place = h.place(victim)
+        if h.holders != (victim,) or h.kind != want or h.op.op != op:
+            return f"{kind}: expected rank {victim} holding {op} ({want}), got {err}"
+        if place is None or words not in place.words:
+            return f"{kind}: rank {victim}'s place lacks {words!r}: {err}"
+        return None
+    except BaseException as exc:
+        return f"{kind}: expected {'no error' if kind in HEALTHY_KINDS else 'a hang'}, got {type(exc).__name__}: {exc}"
+    if kind in HEALTHY_KINDS:
+        return None if got == list(range(plan["world"])) else f"{kind} returned {got}"
+    return f"{kind}: the call returned {got} without a verdict"
 
 
 _resume_base: dict[int, dict] = {}
@@ -666,6 +719,19 @@ def test_ci_seed_covers_every_fault_kind_and_point():
     assert {p["world"] for p in plans} == {2, 3}
 
 
+def test_the_verdict_kinds_are_drawn():
+    """Every hang-verdict kind, hang and healthy, is drawn in the first 1000 runs of the CI
+    seed (what `make soak` runs with a fresh one), each with its victim set for it."""
+    plans = [make_plan(CI_SEED + i, "/unused") for i in range(1000)]
+    drawn = {p["kind"] for p in plans if p["point"] == "verdict"}
+    assert set(VERDICT_KINDS + HEALTHY_KINDS) - drawn == set()
+    for p in plans:
+        if p["kind"] == "hang_reordered":
+            assert p["victim"] == p["world"] - 1
+        if p["kind"] == "hang_mismatched":
+            assert p["world"] == 2 and p["victim"] in (0, 1)
+
+
 @pytest.mark.timeout(120 + 12 * RUNS)
 def test_soak(tmp_path, monkeypatch, capsys, request):
     # Started as a shell background job, this process has SIGINT ignored and Python keeps it
@@ -699,6 +765,8 @@ def test_soak(tmp_path, monkeypatch, capsys, request):
         try:
             if plan["kind"] in ("caller_kill", "caller_forks"):
                 problem = _run_caller_kill(plan, str(caller_tmp))
+            elif plan["point"] == "verdict":
+                problem = _run_verdict(plan)
             elif plan["kind"] in OUTAGE_KINDS:
                 capsys.readouterr()
                 problem = _run_outage(plan, outages, lambda: capsys.readouterr().out)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import gangrun
-from gangrun import DistributedError, DistributedHangError
+from gangrun import DistributedError
 
 pytestmark = pytest.mark.slow
 
@@ -45,17 +45,12 @@ def test_rank_killed_between_cells_is_healed_and_the_cell_runs(capfd):
             g.execute("import time; time.sleep(5)")
 
 
-def test_silent_execution_is_stopped_with_stacks_and_the_gang_stays_usable(capfd):
+def test_quiet_executions_outside_collectives_are_no_hang():
+    # the verdict is about collectives: every rank asleep (or quiet) is not a distributed hang;
+    # a collective held up by a rank is (tests/reliability/test_hang_verdict.py)
     with gangrun.Gang(processes=2, hang_timeout=1.0, interrupt_grace=5.0) as g:
         g.execute("import time")
-        t0 = time.monotonic()
-        with pytest.raises(DistributedHangError) as info:
-            g.execute("time.sleep(60)")
-        assert time.monotonic() - t0 < 30
-        assert "no progress" in str(info.value) and "stacks are printed above" in str(info.value)
-        out = capfd.readouterr()
-        assert "<gang-cell-" in out.err + out.out  # every rank's stack, in the cell
-        # output counts as progress: a talkative execution longer than hang_timeout runs on
+        assert g.execute("time.sleep(3)\n1") == [1, 1]
         assert g.execute("for i in range(4):\n    print(i, flush=True); time.sleep(0.5)\n1") == [
             1,
             1,

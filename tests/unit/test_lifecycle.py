@@ -137,8 +137,12 @@ def test_hang_detected_and_retried(monkeypatch):
     monkeypatch.setattr(hang.HangGuard, "dump_stacks", lambda self, pids, live, wait=2.0: None)
 
     def silent(g: FakeGang) -> None:
-        for r in g.pids:  # booted (heartbeat file) and then silent
-            open(os.path.join(g.spec.run_dir, f"heartbeat.{r}"), "w").close()
+        from gangrun.wire import collectives
+
+        # rank 0 waits in an all_reduce that rank 1 never enters (and rank 1 shows nothing)
+        ring = collectives.Ring.open(collectives.path(g.spec.run_dir, 0), 0)
+        entered = time.time() - 10
+        ring.enter(collectives.OpRecord("all_reduce", "world", 1, -1, 4, "", "t.py:3", entered, 0))
 
     sup = call(silent, both_return, hang_timeout=0.2, max_restarts=1)
     assert [a.state for a in sup.outcome.attempts] == [State.HUNG, State.SUCCEEDED]

@@ -122,10 +122,13 @@ def test_panel_shows_progress_slow_and_silent_marks():
         eta_s=15.0,
         ranks={
             0: RankProgress(0, 90, 100, 10.0),
-            1: RankProgress(1, 40, 100, 2.0, slow_ratio=0.2, silent_for=300.0),
+            1: RankProgress(1, 40, 100, 2.0, slow_ratio=0.2, silent_for=300.0,
+                            slow_cause="its peers wait for it 38% of their step in all_reduce "
+                            "at train.py:52"),
         },
-    )
+    )  # fmt: skip
     out = html.render_panel(st.snapshot, progress=p)
+    assert "slow 0.20x</span> (its peers wait for it 38% of their step in all_reduce" in out
     assert 'class="gangrun-progress">step 40/100 (40%) · 4 steps/s · ETA 15s' in out
     assert 'data-rank="1" data-state="running" data-slow="0.20" data-silent="300"' in out
     assert "slow 0.20x" in out and "handle.stacks()" in out
@@ -134,6 +137,32 @@ def test_panel_shows_progress_slow_and_silent_marks():
     final = html.render_panel(st.snapshot, progress=p)
     assert "ETA" not in final and "data-silent" not in final  # frozen: no live guesses
     assert html.header_lines(st.snapshot)[0].startswith("<b>train</b>")
+
+
+def test_a_slow_rank_says_why_from_the_collective_record():
+    from gangrun.lifecycle.verdict import slow_cause
+    from gangrun.progress_view import summary_line
+    from gangrun.wire.collectives import OpRecord, RingView
+
+    def ring(rank, spans):  # (entered, left) of all_reduce at train.py:52, one per step
+        recs = tuple(
+            OpRecord("all_reduce", "world", i + 1, -1, 4, "float32[4]", "/w/train.py:52", a, b)
+            for i, (a, b) in enumerate(spans)
+        )
+        return RingView(rank, 1, len(recs), recs)
+
+    # 10 steps of 1 s: rank 1 computes 0.9 s and syncs 0.1 s; ranks 0 and 2 compute 0.5 s and
+    # then wait 0.5 s for it in the all_reduce (over the 9.1 s all three records cover: 51%)
+    fast = [(100 + i + 0.5, 100 + i + 1.0) for i in range(10)]
+    slow = [(100 + i + 0.9, 100 + i + 1.0) for i in range(10)]
+    rings = {0: ring(0, fast), 1: ring(1, slow), 2: ring(2, fast)}
+    cause = slow_cause(rings, 1, now=110.0, window=20.0)
+    assert cause == "its peers wait for it 51% of their step in all_reduce at train.py:52"
+    assert slow_cause(rings, 0, now=110.0, window=20.0) == ""  # rank 0 waits: not the cause
+    p = Progress(step=10, ranks={1: RankProgress(1, 10, slow_ratio=0.45, slow_cause=cause)})
+    assert "slow: rank 1 (0.45x; its peers wait for it 51% of their step in all_reduce" in (
+        summary_line(p)
+    )
 
 
 def test_the_mlflow_hint_fits_100_columns():

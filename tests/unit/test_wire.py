@@ -38,6 +38,9 @@ WRITERS = [
     "gangrun/rank/memory.py",  # memory.<rank>
     "gangrun/rank/heartbeat.py",  # heartbeat.<rank>
     "gangrun/rank/stacks.py",  # stacks.<rank>
+    "gangrun/rank/collectives.py",  # collectives.<rank>
+    "gangrun/rank/flight.py",  # flight.<rank>
+    "gangrun/lifecycle/hang.py",  # flight.request
     *sorted(str(p.relative_to(SRC)) for p in WIRE.glob("*.py")),
 ]
 WIRE_RECORDS = {

@@ -40,6 +40,27 @@ UNTYPED: dict[tuple[str, str], str] = {
         "the called object: a user's function, or `gangrun run`'s target naming its file"
     ),
     ("gangrun.cli.options", "cli_message"): "any error may carry its command-line wording",
+    ("gangrun.lifecycle.hang", "read_chars"): "psutil's io counters: Linux has it, not all",
+    ("gangrun.lifecycle.hang", "write_chars"): "psutil's io counters: Linux has it, not all",
+    **{
+        ("gangrun.rank.collectives", name): "torch's modules and classes, whichever version "
+        "is installed (the record must never break a call)"
+        for name in (
+            "__file__",
+            "traceable_collective_remaps",
+            "compiler",
+            "is_compiling",
+            "distributed_c10d",
+            "DistributedDataParallel",
+            "forward",
+            "Tensor",
+            "autograd",
+            "backward",
+        )
+    },
+    ("gangrun.rank.collectives", "__wrapped__"): "a function functools.wraps made, or not",
+    ("gangrun.rank.flight", "_dump_nccl_trace"): "torch's CUDA builds only",
+    ("gangrun.rank.flight", "_dump_fr_trace"): "torch's newer builds only",
     ("gangrun.data.listing", "O_CLOEXEC"): "a platform constant",
     ("gangrun.data.cache", "F_OFD_SETLKW"): "a platform constant (Linux only)",
     ("gangrun.data.loader", "ds"): _PENDING,

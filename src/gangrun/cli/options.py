@@ -63,7 +63,7 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "forkserver": (("--forkserver",), "JSON", 'the warm fork server (ForkServerOptions), e.g. \'{"preload": ["torch", "transformers"], "start_timeout": 600}\''),
     "log_system_metrics": (("--system-metrics",), _ON_OFF, "log CPU/GPU/memory metrics to the MLflow run (default: off)"),
     "progress": (("--progress",), _ON_OFF, "in a Jupyter kernel: the live panel of each call (default: on)"),
-    "hang_timeout": (("--hang-timeout",), "DURATION", "stop when a rank makes no progress this long (default: off)"),
+    "hang_timeout": (("--hang-timeout",), "DURATION", "stop when a rank holds the others in a collective this long (default: auto; 0: off)"),
     "experiment_name": (("--experiment-name",), "NAME", "put the MLflow run in this experiment (created if missing)"),
     "run_name": (("--run-name",), "NAME", "name of the MLflow run (default: the script's name)"),
     "run_id": (("--run-id",), "ID", "resume this MLflow run (same id, metric history continued)"),

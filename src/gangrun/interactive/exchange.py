@@ -6,6 +6,7 @@ error. A mixin of `Gang` (its state lives there).
 
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import pickle
@@ -16,6 +17,8 @@ import time
 
 from ..api import RunHandle
 from ..errors import DistributedError, DistributedHangError, DistributedTimeoutError
+from ..lifecycle.hang import AUTO_MIN_S, HangGuard
+from ..lifecycle.verdict import where_section
 from ..notebook.routing import CellWriter
 from ..rank import interactive_protocol as protocol
 from ..wire.records import ErrorRecord
@@ -33,7 +36,7 @@ class Exchanges:
     _handle: RunHandle[None] | None
     _extra: dict[int, int]
     timeout: float | None
-    hang_timeout: float | None
+    hang_timeout: float | str | None
     interrupt_grace: float
 
     # provided by the gang
@@ -70,6 +73,14 @@ class Exchanges:
             for stream in (handle.supervisor.call.stdout, handle.supervisor.call.stderr):
                 if isinstance(stream, CellWriter):
                     stream.retarget()
+            if isinstance(msg, protocol.Exec):  # the verdict quotes the cell's lines
+                source = msg.source
+                linecache.cache[protocol.cell_filename(msg.cell_id)] = (
+                    len(source),
+                    None,
+                    source.splitlines(True),
+                    protocol.cell_filename(msg.cell_id),
+                )
             limit = self.timeout
             deadline = None if limit is None else time.monotonic() + limit
             data = protocol.frame(msg)
@@ -77,6 +88,7 @@ class Exchanges:
             replies: dict[int, protocol.Reply] = {}
             readers = {r: protocol.Reader() for r in pending}
             stopped: str | None = None
+            self._guard = self._new_guard(handle)
             try:
                 for r, s in self._socks.items():
                     try:
@@ -90,33 +102,33 @@ class Exchanges:
                 stopped = "interrupt"
             if stopped:
                 self._interrupt(pending, replies, readers, stopped, limit)
+                stopped = "hang" if stopped == "silent" else stopped
             self._drain(handle, replies)
             return self._outcome(replies, what, stopped, limit)
         finally:
             self._unlock()
 
+    def _new_guard(self, handle: RunHandle[None]) -> HangGuard | None:
+        """This execution's hang verdict (``None``: ranks elsewhere, or no run directory)."""
+        run_dir = handle.supervisor.run_dir
+        if not run_dir or self._nodes_elsewhere():
+            return None
+        return HangGuard(run_dir, handle.log_dir, len(self._socks), self.hang_timeout)
+
+    def _rank_pids(self) -> dict[int, int]:
+        raise NotImplementedError
+
     def _progress(self, ranks: set[int]) -> dict[int, int]:
-        """What each rank has shown of itself: bytes of output in its log (forwarded from
-        any node), plus its heartbeat/progress files where they are visible from here."""
+        """Ranks on other nodes (no record or process visible here): what each has shown of
+        itself, the bytes of output in its log (forwarded from any node)."""
         assert self._handle is not None
-        handle = self._handle
         out: dict[int, int] = {}
         for r in ranks:
-            total = 0
-            paths = [os.path.join(handle.log_dir, f"rank-{r}.log")]
-            run_dir = handle.supervisor.run_dir
-            if run_dir:
-                paths += [
-                    os.path.join(run_dir, f"heartbeat.{r}"),
-                    os.path.join(run_dir, f"progress.{r}"),
-                ]
-            for p in paths:
-                try:
-                    st = os.stat(p)
-                    total += st.st_size + st.st_mtime_ns
-                except OSError:
-                    continue
-            out[r] = total
+            try:
+                st = os.stat(os.path.join(self._handle.log_dir, f"rank-{r}.log"))
+                out[r] = st.st_size + st.st_mtime_ns
+            except OSError:
+                out[r] = 0
         return out
 
     def _gather(
@@ -130,8 +142,12 @@ class Exchanges:
         """Read replies until every pending rank answered or ``until`` passed; ``"hang"``
         when ``watch`` and the pending ranks made no progress for ``hang_timeout``."""
         assert self._handle is not None
-        hang = self.hang_timeout if watch else None
-        seen = self._progress(pending) if hang else {}
+        guard = self._guard if watch and self._guard is not None and self._guard.on else None
+        # ranks on other nodes: no record to read, their silence stands in for the verdict
+        silence = None
+        if watch and self._guard is None and self.hang_timeout is not None:
+            silence = AUTO_MIN_S if self.hang_timeout == "auto" else float(self.hang_timeout)
+        seen = self._progress(pending) if silence else {}
         quiet_since = {r: time.monotonic() for r in pending}
         sel = selectors.DefaultSelector()
         try:
@@ -157,14 +173,18 @@ class Exchanges:
                         sel.unregister(self._socks[r])
                 if pending and self._handle.done():
                     self._died(None)
-                if hang and pending:
-                    now = time.monotonic()
-                    cur = self._progress(pending)
+                if guard is not None and pending:
+                    ranks, pids = sorted(self._socks), self._rank_pids()
+                    if guard.check(ranks, pids):
+                        guard.dump_stacks(pids, ranks)
+                        return "hang"
+                if silence and pending:
+                    now, cur = time.monotonic(), self._progress(pending)
                     for r in pending:
                         if cur.get(r) != seen.get(r):
                             seen[r], quiet_since[r] = cur[r], now
-                    if all(now - quiet_since[r] > hang for r in pending):
-                        return "hang"
+                    if all(now - quiet_since[r] > silence for r in pending):
+                        return "silent"
             return None
         finally:
             sel.close()
@@ -180,25 +200,33 @@ class Exchanges:
         """SIGINT the ranks still running (after their stacks, for a hang); kill those not
         back within the grace period."""
         __tracebackhide__ = True
-        if why == "hang":
+        guard = self._guard
+        if why == "timeout" and guard is not None:  # where each rank was
+            guard.explain(self._rank_pids(), sorted(self._socks))
+        if why == "hang" and guard is not None:
+            run_id = None if self._handle is None else self._handle.run_id
+            log_dir = "" if self._handle is None else self._handle.log_dir
+            self._hang_error = guard.error(
+                "the execution", run_id, log_dir, "The execution was interrupted on every rank."
+            )
+        if why == "silent":  # ranks elsewhere: their stacks print into the cell
             for r in sorted(pending):
-                self._signal(r, signal.SIGUSR1)  # the rank prints every thread's stack
+                self._signal(r, signal.SIGUSR1)
             time.sleep(0.2)
+            self._hang_error = DistributedHangError(
+                f"the execution made no progress on rank(s) {', '.join(map(str, sorted(pending)))}"
+                f" (ranks on other nodes: no output) for hang_timeout={self.hang_timeout}; their "
+                "stacks are printed above (and in g.handle.logs(rank)). The execution was "
+                "interrupted.",
+                rank=min(pending),
+                ranks=sorted(pending),
+            )
         for r in sorted(pending):
             self._signal(r, signal.SIGINT)
-        stuck = sorted(pending)
         try:
             self._gather(pending, replies, readers, time.monotonic() + self.interrupt_grace)
         except KeyboardInterrupt:
             log.debug("gang: interrupted again while ranks stopped; killing the stragglers")
-        if why == "hang":
-            self._hang_error = DistributedHangError(
-                f"the execution made no progress on rank(s) {', '.join(map(str, stuck))} (no "
-                f"output, no gangrun.heartbeat()/report_step()) for hang_timeout="
-                f"{self.hang_timeout:g}s; their stacks are printed above (and in "
-                "g.handle.logs(rank)). The execution was interrupted.",
-                rank=stuck[0],
-            )
         if not pending:
             return
         for r in sorted(pending):
@@ -211,11 +239,12 @@ class Exchanges:
         )
         if why == "timeout":
             raise DistributedTimeoutError(
-                f"the execution did not finish within timeout={limit:g}s; {msg}",
+                f"the execution did not finish within timeout={limit:g}s; {msg}{self._where()}",
                 rank=min(pending),
+                where=() if guard is None else guard.places,
             )
-        if why == "hang":
-            raise DistributedHangError(f"{self._hang_error}\n{msg}", rank=min(pending))
+        if why in ("hang", "silent"):
+            raise self._hung(f"\n{msg}")
         raise KeyboardInterrupt(msg)
 
     def _drain(self, handle: RunHandle[None], replies: dict[int, protocol.Reply]) -> None:
@@ -265,16 +294,30 @@ class Exchanges:
         if stopped == "timeout":
             raise DistributedTimeoutError(
                 f"{what} did not finish within timeout={limit:g}s; every rank was interrupted "
-                "and the gang is still usable."
+                f"and the gang is still usable.{self._where()}",
+                where=() if self._guard is None else self._guard.places,
             )
         if stopped == "hang":
-            raise DistributedHangError(f"{self._hang_error} The gang is still usable.")
+            raise self._hung("\nThe gang is still usable.")
         if failed:
             run_id = None if self._handle is None else self._handle.run_id
             raise failure(failed, values, what, run_id, self._nodes_elsewhere())
         return values
 
-    _hang_error: DistributedError | None = None
+    def _where(self) -> str:
+        places = () if self._guard is None else self._guard.places
+        return "\nWhere each rank was:\n" + where_section(places) if places else ""
+
+    def _hung(self, more: str) -> DistributedHangError:
+        err = self._hang_error
+        assert err is not None
+        return DistributedHangError(
+            f"{err}{more}", rank=err.rank, run_id=err.run_id, ranks=err.ranks, stacks=err.stacks,
+            hang=err.hang,
+        )  # fmt: skip
+
+    _hang_error: DistributedHangError | None = None
+    _guard: HangGuard | None = None
 
 
 __all__ = ["Exchanges", "POLL_S", "DRAIN_S"]

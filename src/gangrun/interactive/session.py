@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import settings
 from ..api import RunHandle, distributed
-from ..errors import DistributedError, GangError, LaunchError
+from ..errors import DistributedError, DistributedHangError, GangError, LaunchError
 from ..lifecycle import calls
 from ..options import DEFAULT_TIMEOUT, Options
 from ..rank import interactive_protocol as protocol
@@ -117,12 +117,12 @@ class Gang(Exchanges):
             raise LaunchError(f"Gang(setup=...) takes a function, got {setup!r}")
         given: dict[str, Any] = {  # timeout="10m" as GANGRUN_TIMEOUT=10m: seconds from here on
             "timeout": options.pop("timeout", DEFAULT_TIMEOUT),
-            "hang_timeout": options.pop("hang_timeout", None),
+            "hang_timeout": options.pop("hang_timeout", "auto"),
             "max_restarts": int(options.pop("max_restarts", 0) or 0),
         }
         checked = Options(**given).validate()
         self.max_restarts = int(checked.max_restarts)
-        self.hang_timeout: float | None = checked.hang_timeout
+        self.hang_timeout: float | str | None = checked.hang_timeout
         self.timeout: float | None = checked.timeout
         options["timeout"] = None  # the gang lives across cells: each execution has its own
         self._fn = distributed(**options)(gang)
@@ -295,13 +295,22 @@ class Gang(Exchanges):
                 f"{', setup() re-ran' if self.setup else ''}); this execution was lost, the "
                 "next one runs on the fresh ranks."
             )
+            if isinstance(err, DistributedHangError):  # ranks stuck in a collective were killed
+                raise DistributedHangError(
+                    text, rank=err.rank, run_id=err.run_id, ranks=err.ranks, stacks=err.stacks,
+                    hang=err.hang,
+                ) from err  # fmt: skip
             raise wrapped(text, err) from err
 
     def _heal(self, err: DistributedError) -> bool:
         if (
             not self._broken
             or self.restarts >= self.max_restarts
-            or not (isinstance(err, GangError) and err.rank_died)
+            or not (
+                isinstance(err, GangError)
+                and err.rank_died
+                or isinstance(err, DistributedHangError)
+            )
         ):
             return False
         self.restarts += 1
@@ -332,6 +341,9 @@ class Gang(Exchanges):
 
     def _unlock(self) -> None:
         self._lock.release()
+
+    def _rank_pids(self) -> dict[int, int]:
+        return dict(self._pids)
 
     def _signal(self, rank: int, sig: int) -> None:
         """Signal one rank (on its node: through its actor on Ray)."""

@@ -17,6 +17,7 @@ from ..wire.records import ErrorRecord, RankFailure
 from ..wire.rundir import RunDir
 from .rootcause import Candidate, build_error, is_peer_echo, pick, rank_failure
 from .state import Attempt, CancelRequested, DeadlineReached, Event, HangDetected, RankExited, State
+from .verdict import where_section
 
 if TYPE_CHECKING:
     from .hang import HangGuard
@@ -150,10 +151,13 @@ class RankFiles:
             )
             return Attempt(number, State.CANCELLED, err), None
         if isinstance(ending, DeadlineReached):
+            where = () if guard is None else guard.places
+            section = "" if not where else "\nWhere each rank was:\n" + where_section(where)
             err = DistributedTimeoutError(
                 f"{name} did not finish within timeout={ending.timeout:g}s; all {n} ranks "
-                "were stopped.",
+                f"were stopped.{section}",
                 run_id=run_id,
+                where=where,
             )
             return Attempt(number, State.TIMED_OUT, err), None
         if isinstance(ending, HangDetected):

@@ -46,21 +46,24 @@ def wait_attempt(
     """Wait until the attempt ends; the event that ended it (``None``: every rank ended on its
     own and none failed). ``remaining`` and ``exits`` are kept up to date as ranks end (the
     supervisor's teardown reads them, also when this raises)."""
+    watching = guard is not None and guard.on
     while remaining:
         reason = cancelled()
         if reason is not None:
             return CancelRequested(reason)
         wait = None if deadline is None else deadline - time.monotonic()
         if wait is not None and wait <= 0:
+            if guard is not None:  # where each rank was: the timeout's explanation
+                guard.explain(pids(), sorted(remaining))
             return DeadlineReached(float(timeout or 0))
-        if guard is not None:
+        if watching:
             wait = guard.poll_interval if wait is None else min(wait, guard.poll_interval)
         ev = next_event(events, wait)
         if ev is None:
-            stalled = guard.check(sorted(remaining)) if guard is not None else []
-            if guard is not None and stalled:
+            holders = guard.check(sorted(remaining), pids()) if watching else []
+            if holders:
                 guard.dump_stacks(pids(), sorted(remaining))
-                return HangDetected(stalled)
+                return HangDetected(holders)
             continue
         if isinstance(ev, PreemptRequested):
             continue  # the ranks save and stop (rank/stop.py); for a back-off only

@@ -130,6 +130,8 @@ def base_env(opts: Options, world_size: int, devices: Sequence[Accelerator]) -> 
         env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // max(1, world_size)))
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
+        if not ({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(env)):
+            env["TORCH_FR_BUFFER_SIZE"] = "2000"  # NCCL's Flight Recorder: the hang verdict
     if opts.backend == "local":
         # one node: gloo's pairs listen on loopback only (docs/security.md)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

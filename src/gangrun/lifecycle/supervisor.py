@@ -375,10 +375,10 @@ class Supervisor:
         assert self.rundir is not None and self.gang is not None and self._events is not None
         gang, n, timeout = self.gang, self.world_size, self.opts.timeout
         deadline = None if timeout is None else self._started + timeout
-        guard = None
-        if self.opts.hang_timeout is not None:
-            from .hang import HangGuard
+        from .hang import HangGuard  # the verdict (hang_timeout), and the timeout's "where"
 
+        guard = None  # Ray ranks run on other nodes: their files and processes are not here
+        if self.call.placement is None:
             guard = HangGuard(self.rundir.path, self.rundir.logs, n, self.opts.hang_timeout)
         remaining, exits = set(range(n)), dict[int, RankExit]()
         try:

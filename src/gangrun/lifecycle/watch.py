@@ -173,6 +173,24 @@ class ProgressTracker:
         return out
 
 
+def with_causes(p: Progress, run: CallView, now: float) -> Progress:
+    """The slow ranks' causes, from the ranks' collective records (`verdict.slow_cause`)."""
+    if not p.slow or not run.run_dir:
+        return p
+    import dataclasses
+
+    from ..wire import collectives
+    from .verdict import slow_cause
+
+    rings = {r: collectives.read(run.run_dir, r) for r in range(run.call.world_size)}
+    ranks = dict(p.ranks)
+    for r in p.slow:
+        cause = slow_cause(rings, r, now, RATE_WINDOW_S)
+        if cause:
+            ranks[r] = dataclasses.replace(ranks[r], slow_cause=cause)
+    return dataclasses.replace(p, ranks=ranks)
+
+
 class Watch:
     """The watching side of one call (``run.watch``): `progress` reads the run
     directory (at most every `MIN_SAMPLE_S`), `stacks` asks the ranks."""
@@ -219,7 +237,7 @@ class Watch:
 
                 since = self._attempt_started
                 last_progress = {r: lp(run.run_dir, run.log_dir, r, since) for r in live}
-            p = self._tracker.update(reports, now, last_progress)
+            p = with_causes(self._tracker.update(reports, now, last_progress), run, now)
             memory = memory_file.read_all(run.run_dir, world)  # the panel's memory column
             self._last = replace(p, memory=memory) if memory else p
             return self._last

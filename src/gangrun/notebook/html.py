@@ -134,6 +134,8 @@ def _rank_row(v: RankView, progress: Progress | None, live: bool) -> str:
             note += (
                 f'<span style="color:#b8860b;font-weight:bold">slow {rp.slow_ratio:.2f}x</span> '
             )
+            if rp.slow_cause:
+                note += f"({escape(rp.slow_cause)}) "
         if rp.silent_for is not None and live:
             attrs += f' data-silent="{rp.silent_for:.0f}"'
             note += (

@@ -1,8 +1,8 @@
-"""The rank half of the stuck-rank guard (``hang_timeout``): the heartbeat.
+"""The hang verdict's heartbeat (``hang_timeout``): one of the signs of a rank's progress.
 
-A rank counts as making progress when it writes output or calls `heartbeat` (which touches
-``heartbeat.<rank>`` in the private run directory: `gangrun.wire.heartbeat`). The caller half, which watches those
-files and stops a silent gang, is `gangrun.lifecycle.hang`.
+`heartbeat` touches ``heartbeat.<rank>`` in the private run directory
+(`gangrun.wire.heartbeat`); the caller's half, which reads it with the rank's CPU time, I/O,
+output and step reports, is `gangrun.lifecycle.hang`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ _beat_path: str | None = None
 
 
 def heartbeat() -> None:
-    """Tell the stuck-rank guard this rank is making progress (cheap; a no-op outside a rank
-    or when ``hang_timeout`` is off). Call it in the training loop, e.g. once per step."""
+    """Tell the hang verdict this rank is making progress (cheap; a no-op outside a rank or
+    when ``hang_timeout`` is off). Rarely needed: CPU time, I/O, output and step reports count
+    already; call it where a rank legitimately waits without any of them."""
     global _last_beat
     path = _beat_path
     if path is None:

@@ -17,6 +17,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from ..wire import contract
 from . import interactive_protocol as protocol
 
 if TYPE_CHECKING:
@@ -135,7 +136,8 @@ def gang(address: str, token: str) -> None:
     sys.stderr = _Counting(sys.stderr)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _on_sigint)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # hang reports
+        if os.environ.get(contract.RAY_NODE_ID):  # the caller cannot read this node's files:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)  # to the cell
     # the caller knows of this rank (and may interrupt it) once it answered the Hello
     sock = protocol.handshake(address, protocol.Hello(token.encode("ascii"), rank, os.getpid()))
     while True:

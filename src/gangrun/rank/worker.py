@@ -313,9 +313,11 @@ def main() -> None:
     from .stacks import install as install_stacks
 
     install_stacks(run_dir, rank)  # handle.stacks(), `gangrun stacks`, the hang guard
+    from .collectives import install as record_collectives
     from .memory import start as sample_memory
 
     sample_memory(run_dir, rank)  # the panel, `gangrun ps`, the out-of-memory verdict
+    record_collectives(run_dir, rank)  # where the rank is in torch.distributed: the verdict
     if os.environ.get(contract.HANG_TIMEOUT):
         from .heartbeat import install
 

@@ -10,8 +10,9 @@ Set by the caller for each rank (read by the rank side, `gangrun.rank.worker`):
 ``GANGRUN_CALLER_PID``          the caller's pid (diagnostics)
 ``GANGRUN_LIVENESS_FD``         fd of the read end of the caller's liveness pipe: EOF means
                                 the caller died, and the rank kills its own tree
-``GANGRUN_HANG_TIMEOUT``        seconds; when set, the rank starts the hang guard's
-                                heartbeat and stack-dump handler (`gangrun.rank.heartbeat`)
+``GANGRUN_HANG_TIMEOUT``        seconds or ``auto``; when set (the hang verdict on), the
+                                rank's `gangrun.heartbeat` touches its file
+                                (`gangrun.rank.heartbeat`)
 ``GANGRUN_CALL_CHECKPOINT_DIR``  where the call's checkpoints live (the resolved
                                 ``checkpoint_dir`` option, or the one the resumed MLflow run
                                 recorded): `gangrun.Checkpointer` saves and restores

@@ -126,7 +126,20 @@ class LaunchError(DistributedError):
 
 
 class DistributedTimeoutError(DistributedError, TimeoutError):
-    """The call ran past its ``timeout``; every rank was stopped."""
+    """The call ran past its ``timeout``; every rank was stopped.
+
+    ``where`` says where each rank was at that moment (`gangrun.wire.hangs.RankPlace`: its
+    line in user code, the collective it waited in), as the message's "Where each rank was"
+    section does; empty when it could not be read (an interactive gang, a Ray node).
+    """
+
+    def __init__(self, message: str, *, where: tuple[Any, ...] = (), **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.where = tuple(where)
+
+    def __reduce__(self) -> Reduced:
+        fn, (cls, msg, kw) = super().__reduce__()
+        return fn, (cls, msg, dict(kw, where=self.where))
 
 
 _CANCELLED_DOC = """The call was cancelled (``handle.cancel()`` or an interrupt); every rank was
@@ -186,10 +199,12 @@ class DistributedPreemptedError(DistributedError):
 
 
 class DistributedHangError(DistributedError, TimeoutError):
-    """Some ranks stopped making progress for ``hang_timeout`` seconds; every rank was stopped.
+    """The call hung: ranks waited ``hang_timeout`` seconds in a collective that a peer did not
+    enter while making no progress (or entered mismatched); every rank was stopped.
 
-    ``ranks`` are the silent ranks (``rank`` is the first of them), ``stacks`` maps each live
-    rank to its Python stacks (all threads) at the moment the hang was detected.
+    ``ranks`` are the holding ranks (``rank`` is the first of them), ``hang`` the whole verdict
+    (`gangrun.wire.hangs.Hang`: the collective waited in, where each rank was), ``stacks``
+    maps each live rank to its Python stacks (all threads) at that moment.
     """
 
     def __init__(
@@ -198,15 +213,17 @@ class DistributedHangError(DistributedError, TimeoutError):
         *,
         ranks: list[int] | None = None,
         stacks: dict[int, str] | None = None,
+        hang: Any = None,
         **kwargs: object,
     ) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.ranks = list(ranks or [])
         self.stacks = dict(stacks or {})
+        self.hang = hang
 
     def __reduce__(self) -> Reduced:
         fn, (cls, msg, kw) = super().__reduce__()
-        return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks))
+        return fn, (cls, msg, dict(kw, ranks=self.ranks, stacks=self.stacks, hang=self.hang))
 
 
 class GangError(DistributedError):

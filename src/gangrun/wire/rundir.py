@@ -12,6 +12,9 @@
     stacks.<rank>        hang guard: the rank's stacks, dumped on request
     progress.<rank>      the rank's last step report (`gangrun.rank.progress`)
     memory.<rank>        the rank's last memory sample (`gangrun.rank.memory`)
+    collectives.<rank>   the rank's last torch.distributed calls (`gangrun.wire.collectives`)
+    flight.<rank>        torch's Flight Recorder entries, dumped on request (`gangrun.wire.flight`)
+    flight.request       the caller asks for those dumps (its mtime)
     stop.request         the caller asks the ranks to checkpoint and stop (a preemption)
     stop.teardown        the caller is tearing the gang down: a SIGTERM now means "die"
     stop.<rank>.json     rank <rank> saved a checkpoint and stopped (preempted)
@@ -46,6 +49,8 @@ _ATTEMPT_PREFIXES = (
     "progress.",
     "memory.",
     "stop.",
+    "collectives.",
+    "flight.",
 )
 
 
@@ -91,6 +96,16 @@ class RunDir:
 
     def memory(self, rank: int) -> str:
         return os.path.join(self.path, f"memory.{rank}")
+
+    def collectives(self, rank: int) -> str:
+        return os.path.join(self.path, f"collectives.{rank}")
+
+    def flight(self, rank: int) -> str:
+        return os.path.join(self.path, f"flight.{rank}")
+
+    @property
+    def flight_request(self) -> str:
+        return os.path.join(self.path, "flight.request")
 
     def log(self, rank: int) -> str:
         return log_path(self.logs, rank)
