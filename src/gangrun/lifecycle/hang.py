@@ -28,6 +28,7 @@ from ..rank import stacks
 from ..wire import collectives as ring_file
 from ..wire import flight as flight_file
 from ..wire import heartbeat as beat_file
+from ..wire import memory as memory_file
 from ..wire import progress as progress_file
 from ..wire import stacks as stack_file
 from ..wire.collectives import RingView
@@ -83,7 +84,9 @@ class _Sampler:
         self.proc: Any = None
         self.stopped = False
 
-    def tree(self, pid: int, kids: dict[int, list[int]]) -> tuple[float, int, bool] | None:
+    def tree(
+        self, pid: int, kids: dict[int, list[int]], quiet_tid: int | None = None
+    ) -> tuple[float, int, bool] | None:
         """(CPU seconds, I/O bytes, stopped) of the process and its descendants (``kids``:
         parent pid -> child pids, read once per sample for every rank)."""
         import psutil
@@ -105,9 +108,25 @@ class _Sampler:
                 c = proc.io_counters()  # syscalls' bytes, and the disk's (page faults too)
                 io += getattr(c, "read_chars", 0) + getattr(c, "write_chars", 0)
                 io += c.read_bytes + c.write_bytes
+                if p == pid and quiet_tid is not None:  # the memory sampler reading /proc
+                    io -= _thread_io(pid, quiet_tid)  # is no progress (read right after)
             except (psutil.Error, OSError):
                 continue
         return cpu, io, stopped
+
+
+def _thread_io(pid: int, tid: int) -> int:
+    """The characters one thread of ``pid`` read and wrote (0 when unreadable)."""
+    n = 0
+    try:
+        with open(f"/proc/{pid}/task/{tid}/io") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("rchar", "wchar", "read_bytes", "write_bytes"):
+                    n += int(value)
+    except (OSError, ValueError):
+        return 0
+    return n
 
 
 def _children() -> dict[int, list[int]]:
@@ -211,7 +230,11 @@ class HangGuard:
             moved = marks != s.marks or not deep
             s.marks = marks
             pid = pids.get(r)
-            tree = None if pid is None or not deep else s.tree(pid, kids)
+            if pid is None or not deep:
+                tree = None
+            else:
+                mem = memory_file.read(self.run_dir, r)
+                tree = s.tree(pid, kids, mem.sampler_tid if mem is not None else None)
             if tree is None:
                 s.cpu = None  # the next deep sample starts afresh
             else:

@@ -68,6 +68,7 @@ def sample(rank: int, pid: int | None = None, before: MemorySample | None = None
         cuda_allocated=allocated,
         cuda_reserved=reserved,
         growth=growth,
+        sampler_tid=threading.get_native_id(),
     )
 
 

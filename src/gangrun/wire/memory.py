@@ -38,6 +38,7 @@ class MemorySample:
     cuda_allocated: int | None = None  # bytes (torch.cuda.memory_allocated)
     cuda_reserved: int | None = None  # bytes (torch.cuda.memory_reserved)
     growth: float | None = None  # bytes per second of rss since the sample before
+    sampler_tid: int | None = None  # the sampler thread's own id: its /proc reads are no progress
 
     def rss_at(self, when: float) -> int:
         """Its resident memory at ``when`` if it went on growing as it did (never less than
