@@ -298,6 +298,11 @@ class Options:
         checkpoint_dir: where the call's checkpoints live (a directory or any fsspec URL),
             for `gangrun.Checkpointer` in the function; a ``run_id=`` call reuses the
             one its run recorded (docs/long_runs.md).
+        memory: with ``checkpoint_dir`` and ``max_restarts``, also snapshot the
+            Checkpointer's state into shared memory at step boundaries; a restart restores
+            the newest of memory and storage (default on; docs/long_runs.md).
+        memory_every: snapshot every N steps (default ``None``: as often as 3% of the step
+            time allows, measured as the run goes).
     """
 
     gpus: int | list[int] | None = None
@@ -335,6 +340,8 @@ class Options:
     restart_backoff_max: float = 60.0
     # Long runs (docs/long_runs.md): where gangrun.Checkpointer saves and restores.
     checkpoint_dir: str | None = None
+    memory: bool = True
+    memory_every: int | None = None
 
     def validate(self) -> Options:
         for name in DURATIONS:  # timeout="10m": the same text as GANGRUN_TIMEOUT, --timeout
@@ -362,6 +369,9 @@ class Options:
         _int("processes", self.processes, 1)
         _int("max_restarts", self.max_restarts, 0)
         _int("min_ranks", self.min_ranks, 1)
+        _int("memory_every", self.memory_every, 1)
+        if not isinstance(self.memory, bool):
+            raise LaunchError(f"memory must be True or False, got {self.memory!r}.")
         for name in ("timeout", "hang_timeout"):
             v = getattr(self, name)
             if v is None:
