@@ -17,6 +17,7 @@ checkpoints only).
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +46,26 @@ class Flat:
     data_len: int
 
 
-def _check(t: Any, where: str) -> None:
+def _check(t: Any, where: tuple[Any, ...]) -> None:
     import torch
 
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise Unsupported(f"{where} is a {type(t).__name__} (a sharded tensor)")
+        raise Unsupported(f"{_name(where)} is a {type(t).__name__} (a sharded tensor)")
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        raise Unsupported(f"{where} is a {t.layout} tensor")
+        raise Unsupported(f"{_name(where)} is a {t.layout} tensor")
+
+
+_DTYPES: dict[Any, str] = {}
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _dtype(dtype: Any) -> str:
+    name = _DTYPES[dtype] = str(dtype).rsplit(".", 1)[-1]
+    return name
+
+
+def _name(where: tuple[Any, ...]) -> str:
+    return str(where[0]) + "".join(f"[{k!r}]" for k in where[1:])
 
 
 def flatten(sd: dict[str, Any]) -> Flat:
@@ -62,28 +76,31 @@ def flatten(sd: dict[str, Any]) -> Flat:
     specs: list[tuple[str, tuple[int, ...], int, int]] = []
     offset = 0
 
-    def walk(obj: Any, where: str, depth: int) -> Any:
+    def walk(obj: Any, where: tuple[Any, ...]) -> Any:
         nonlocal offset
-        if depth > 50:
-            raise Unsupported(f"{where} is nested too deep")
         if isinstance(obj, torch.Tensor):
             _check(obj, where)
             t = obj.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
             n = t.numel() * t.element_size()
-            specs.append((str(t.dtype).rsplit(".", 1)[-1], tuple(t.shape), offset, n))
+            specs.append((_DTYPES.get(t.dtype) or _dtype(t.dtype), tuple(t.shape), offset, n))
             tensors.append(t)
             offset += (n + ALIGN - 1) // ALIGN * ALIGN
             return TensorRef(len(specs) - 1)
-        if type(obj) is dict:
-            return {k: walk(v, f"{where}[{k!r}]", depth + 1) for k, v in obj.items()}
-        if type(obj) in (list, tuple):
-            out = [walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)]
-            return out if type(obj) is list else tuple(out)
+        if len(where) > 50:
+            raise Unsupported(f"{_name(where)} is nested too deep")
+        kind = type(obj)
+        if kind is dict or kind is OrderedDict:
+            return kind((k, walk(v, (*where, k))) for k, v in obj.items())
+        if kind is list or kind is tuple:
+            if all(type(v) in _SCALARS for v in obj):  # e.g. Python's RNG state: as it is
+                return obj
+            out = [walk(v, (*where, i)) for i, v in enumerate(obj)]
+            return out if kind is list else tuple(out)
         return obj
 
-    skeleton = {k: walk(v, k, 0) for k, v in sd.items()}
+    skeleton = {k: walk(v, (k,)) for k, v in sd.items()}
     meta = pickle.dumps((skeleton, specs), protocol=5)
     return Flat(meta, tensors, [s[2] for s in specs], offset)
 
@@ -116,8 +133,8 @@ def unflatten(meta: Any, data: Any) -> dict[str, Any]:
     def build(obj: Any) -> Any:
         if isinstance(obj, TensorRef):
             return out_tensors[obj.index]
-        if type(obj) is dict:
-            return {k: build(v) for k, v in obj.items()}
+        if type(obj) is dict or type(obj) is OrderedDict:
+            return type(obj)((k, build(v)) for k, v in obj.items())
         if type(obj) is list:
             return [build(v) for v in obj]
         if type(obj) is tuple:

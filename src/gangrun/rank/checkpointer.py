@@ -213,7 +213,7 @@ class Checkpointer:
         return out
 
     def _from_memory(self, e: _state.Entries, found: str | None, step: int, sd: Any) -> int:
-        blob = _state.apply(e, sd, self._rank, self.state)
+        blob = _state.apply(e, _state.encoded_blob(sd, self._rank), self._rank, self.state)
         self.step = int(blob["step"])
         # the storage checkpoint of this step, when there is one, needs no saving again
         self._saved_step = self.step if _step_of(found) == self.step else -1
@@ -306,9 +306,9 @@ class Checkpointer:
             self.wait()
         return url
 
-    def _save_dict(self, e: _state.Entries, step: int) -> dict[str, Any]:
+    def _save_dict(self, e: _state.Entries, step: int, encode: Any = None) -> dict[str, Any]:
         extra = {"step": step, "metrics": self._step_metrics.before(step)}
-        return _state.save_dict(e, self._rank, extra)
+        return _state.save_dict(e, self._rank, extra, encode)
 
     def _snapshot_dict(self) -> dict[str, Any]:
         e = self._classify(fresh=True)
@@ -316,7 +316,7 @@ class Checkpointer:
             from ..checkpoint.memory import Unsupported
 
             raise Unsupported("a DeepSpeed engine, saved through its own checkpoint API")
-        return self._save_dict(e, self.step)
+        return self._save_dict(e, self.step, encode=dict)  # the blob flattened, not torch.save'd
 
     def _poll(self) -> None:
         if self._io.done():

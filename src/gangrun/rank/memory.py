@@ -23,9 +23,9 @@ import math
 import mmap
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..checkpoint import memory as flat_io
@@ -35,6 +35,7 @@ from ..wire import snapshot as slot_file
 
 BUDGET = 0.03  # the adaptive interval keeps the copy within 3% of the step time
 _EMA = 0.2
+INLINE_BYTES = 1 << 20  # a smaller snapshot's checksums are computed in the training thread
 
 
 class _Slot:
@@ -73,7 +74,8 @@ class MemorySnapshots:
         self.enabled = True
         self._slots: list[_Slot | None] = [None, None]
         self._newest: tuple[int, int] | None = None  # (step, slot) of the newest complete
-        self._commit: threading.Thread | None = None
+        self._commit: Future[None] | None = None  # the checksums of the last snapshot
+        self._pool: ThreadPoolExecutor | None = None
         self._last = -1  # the step of the last snapshot
         self._step_s: float | None = None
         self._copy_s: float | None = None
@@ -165,10 +167,12 @@ class MemorySnapshots:
         header = slot_file.SlotHeader(
             self.rank, self.world, step, len(flat.meta), 0, flat.data_len, 0, time.time()
         )
-        self._commit = threading.Thread(
-            target=self._finish, args=(slot, j, header), name="gangrun-memory-snapshot"
-        )
-        self._commit.start()
+        if flat.data_len < INLINE_BYTES:  # checksums of a few KiB: cheaper than a handoff
+            self._finish(slot, j, header)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="gangrun-memory")
+            self._commit = self._pool.submit(self._finish, slot, j, header)
         self._last = step
         dt = time.perf_counter() - t0
         self._copy_s = dt if self._copy_s is None else (1 - _EMA) * self._copy_s + _EMA * dt
@@ -188,8 +192,8 @@ class MemorySnapshots:
     def wait(self) -> None:
         """Until the snapshot in flight is complete."""
         if self._commit is not None:
-            self._commit.join()
-            self._commit = None
+            commit, self._commit = self._commit, None
+            commit.result()
 
     def _open(self, j: int, size: int) -> _Slot:
         slot = self._slots[j]
@@ -287,6 +291,9 @@ class MemorySnapshots:
     def close(self) -> None:
         """Wait for the snapshot in flight; unmap the slots (the keeper removes the files)."""
         self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for j, slot in enumerate(self._slots):
             if slot is not None:
                 self._slots[j] = None
