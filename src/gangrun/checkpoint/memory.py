@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,32 +118,52 @@ def copy_into(flat: Flat, data: Any) -> None:
         data[off : off + n].copy_(src)
 
 
-def unflatten(meta: Any, data: Any) -> dict[str, Any]:
-    """The state dict of a slot (``meta``: its bytes; ``data``: a uint8 CPU tensor over its
-    data), every tensor a fresh copy."""
+def unflatten(meta: Any, fill: Callable[[Any, int], None], template: Any = None) -> dict[str, Any]:
+    """The state dict of a slot (``meta``: its bytes; ``fill(dst, offset)``: copies the data's
+    bytes at ``offset`` into ``dst``, a uint8 CPU tensor). A tensor is read into the tensor
+    at the same place of ``template`` (the state's own, as a restore from storage reads
+    into them) when that one has its dtype and shape and is a contiguous CPU tensor; into a
+    fresh tensor otherwise. Nothing restored aliases the slot."""
     import torch
 
     skeleton, specs = pickle.loads(bytes(meta))
-    out_tensors = []
-    for dtype_name, shape, off, n in specs:
-        t = torch.empty(shape, dtype=getattr(torch, dtype_name))
-        if n:
-            t.reshape(-1).view(torch.uint8).copy_(data[off : off + n])
-        out_tensors.append(t)
 
-    def build(obj: Any) -> Any:
+    def tensor(index: int, like: Any) -> Any:
+        dtype_name, shape, off, n = specs[index]
+        dtype = getattr(torch, dtype_name)
+        fits = (
+            type(like) in (torch.Tensor, torch.nn.Parameter)
+            and like.dtype == dtype
+            and tuple(like.shape) == tuple(shape)
+            and like.device.type == "cpu"
+            and like.is_contiguous()
+        )
+        t = like.detach() if fits else torch.empty(shape, dtype=dtype)
+        if n:
+            fill(t.reshape(-1).view(torch.uint8), off)
+        return t
+
+    def build(obj: Any, like: Any) -> Any:
         if isinstance(obj, TensorRef):
-            return out_tensors[obj.index]
-        if type(obj) is dict or type(obj) is OrderedDict:
-            return type(obj)((k, build(v)) for k, v in obj.items())
-        if type(obj) is list:
-            return [build(v) for v in obj]
-        if type(obj) is tuple:
-            return tuple(build(v) for v in obj)
+            return tensor(obj.index, like)
+        kind = type(obj)
+        if kind is dict or kind is OrderedDict:
+            sub = like if isinstance(like, dict) else {}
+            return kind((k, build(v, sub.get(k))) for k, v in obj.items())
+        if kind is list or kind is tuple:
+            seq = like if isinstance(like, (list, tuple)) and len(like) == len(obj) else ()
+            out = [build(v, seq[i] if seq else None) for i, v in enumerate(obj)]
+            return out if kind is list else tuple(out)
         return obj
 
-    result: dict[str, Any] = build(skeleton)
+    result: dict[str, Any] = build(skeleton, template or {})
     return result
 
 
-__all__ = ["Flat", "TensorRef", "Unsupported", "copy_into", "flatten", "unflatten"]
+def check_meta(meta: Any) -> None:
+    """Raises what unpickling the meta raises (a slot whose table of contents cannot be
+    read is not restored)."""
+    pickle.loads(bytes(meta))
+
+
+__all__ = ["Flat", "TensorRef", "Unsupported", "check_meta", "copy_into", "flatten", "unflatten"]

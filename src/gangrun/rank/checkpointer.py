@@ -185,7 +185,8 @@ class Checkpointer:
         found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
         self._restored = True
         if self._mem is not None:  # on every rank alike (the same environment)
-            chosen = _memory.choose(self._mem, _step_of(found), self._gather)
+            tpl = lambda: _state.load_template(e, self._rank)  # noqa: E731  (read into, as DCP)
+            chosen = _memory.choose(self._mem, _step_of(found), self._gather, tpl)
             if chosen is not None:
                 return self._from_memory(e, found, *chosen)
         if found is None:

@@ -35,6 +35,7 @@ from ..wire import snapshot as slot_file
 
 BUDGET = 0.03  # the adaptive interval keeps the copy within 3% of the step time
 _EMA = 0.2
+_WARMUP = 2  # snapshots not timed: the first allocate the two slots
 INLINE_BYTES = 1 << 20  # a smaller snapshot's checksums are computed in the training thread
 
 
@@ -79,6 +80,7 @@ class MemorySnapshots:
         self._last = -1  # the step of the last snapshot
         self._step_s: float | None = None
         self._copy_s: float | None = None
+        self._takes = 0
         self._mark: float | None = None  # when the last step_done ended
 
     @classmethod
@@ -174,14 +176,16 @@ class MemorySnapshots:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="gangrun-memory")
             self._commit = self._pool.submit(self._finish, slot, j, header)
         self._last = step
-        dt = time.perf_counter() - t0
-        self._copy_s = dt if self._copy_s is None else (1 - _EMA) * self._copy_s + _EMA * dt
+        self._takes += 1
+        if self._takes > _WARMUP:  # not the first ones: slots allocated, imports done
+            dt = time.perf_counter() - t0
+            self._copy_s = dt if self._copy_s is None else (1 - _EMA) * self._copy_s + _EMA * dt
 
     def _finish(self, slot: _Slot, j: int, h: slot_file.SlotHeader) -> None:
         mv = memoryview(slot.mm)
         meta = slot_file.crc32(mv[slot_file.HEADER : slot_file.HEADER + h.meta_len])
         start = slot_file.data_offset(h.meta_len)
-        data = slot_file.crc32(mv[start : start + h.data_len])
+        data = slot_file.data_crc(mv[start : start + h.data_len])
         del mv
         full = slot_file.SlotHeader(
             h.rank, h.world, h.step, h.meta_len, meta, h.data_len, data, h.time
@@ -227,41 +231,65 @@ class MemorySnapshots:
         except OSError:
             return None
 
-    def load(self, step: int, j: int) -> tuple[dict[str, Any] | None, str | None]:
-        """(the save dict of slot ``j``, None), or (None, why it cannot be restored)."""
-        import torch
-
+    def _open_slot(self, step: int, j: int) -> tuple[int, slot_file.SlotHeader] | str:
+        """(an open fd, the header) of slot ``j`` holding a complete snapshot of ``step``, or
+        why not."""
         path = slot_file.slot_path(self.root, self.rank, j)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            return None, f"{path}: {exc}"
+            return f"{path}: {exc}"
+        h = slot_file.read_header(os.pread(fd, slot_file.HEADER, 0))
+        if h is None or h.step != step or h.rank != self.rank or h.world != self.world:
+            os.close(fd)
+            return f"{path} no longer holds a complete snapshot of step {step}"
+        return fd, h
+
+    def check(self, step: int, j: int) -> str | None:
+        """Why slot ``j`` cannot be restored as step ``step`` (None: it can): its header,
+        sizes, checksums and table of contents verified. Nothing is loaded."""
+        opened = self._open_slot(step, j)
+        if isinstance(opened, str):
+            return opened
+        fd, h = opened
+        path = slot_file.slot_path(self.root, self.rank, j)
         try:
             size = os.fstat(fd).st_size
-            if size < slot_file.HEADER:
-                return None, f"{path} holds {size} bytes, less than a header"
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            if size < h.size:
+                return f"{path} holds {size} bytes, its header records {h.size}"
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            try:
+                why = slot_file.verify(mm, h)
+                if why is None:
+                    flat_io.check_meta(mm[slot_file.HEADER : slot_file.HEADER + h.meta_len])
+            finally:
+                mm.close()
+            return None if why is None else f"{path}: {why}"
+        except Exception as exc:  # an unreadable table of contents: not restored
+            return f"{path}: {type(exc).__name__}: {exc}"
         finally:
             os.close(fd)
+
+    def read(self, step: int, j: int, template: Any = None) -> dict[str, Any]:
+        """The save dict of slot ``j`` (`check`ed first, by every rank), read into the
+        tensors of ``template`` where they fit (`gangrun.checkpoint.memory.unflatten`)."""
+        opened = self._open_slot(step, j)
+        if isinstance(opened, str):
+            raise RuntimeError(f"rank {self.rank}: {opened}, after it was verified")
+        fd, h = opened
         try:
-            h = slot_file.read_header(mm)
-            if h is None or h.step != step or h.rank != self.rank or h.world != self.world:
-                return None, f"{path} no longer holds a complete snapshot of step {step}"
-            why = slot_file.verify(mm, h)
-            if why is not None:
-                return None, f"{path}: {why}"
-            whole = torch.frombuffer(mm, dtype=torch.uint8)
+            meta = os.pread(fd, h.meta_len, slot_file.HEADER)
             start = slot_file.data_offset(h.meta_len)
-            meta = mm[slot_file.HEADER : slot_file.HEADER + h.meta_len]
-            try:
-                sd = flat_io.unflatten(meta, whole[start : start + h.data_len])
-            finally:
-                del whole
-            return sd, None
-        except Exception as exc:  # an unpicklable meta: a slot not to restore
-            return None, f"{path}: {type(exc).__name__}: {exc}"
+
+            def fill(dst: Any, off: int) -> None:
+                view = memoryview(dst.numpy())
+                got = os.preadv(fd, [view], start + off)
+                if got != len(view):
+                    raise RuntimeError(f"rank {self.rank}: slot {j} ended while read")
+
+            return flat_io.unflatten(meta, fill, template)
         finally:
-            mm.close()
+            os.close(fd)
 
     def restored(self, step: int | None, j: int | None) -> None:
         """The rank restored ``step`` from slot ``j`` (None: from storage, or nothing): every
@@ -304,10 +332,12 @@ def choose(
     mem: MemorySnapshots | None,
     storage_step: int | None,
     gather: Callable[[Any], list[Any]],
+    template: Callable[[], Any] | None = None,
 ) -> tuple[int, dict[str, Any]] | None:
     """The newest snapshot to restore, every rank's slot of it loaded and verified: ``(step,
     this rank's save dict)``, or None (restore from storage). ``gather``: every rank's value
-    (an all-gather; every rank calls `choose`)."""
+    (an all-gather; every rank calls `choose`); ``template()``: the state's own tensors to
+    read into (`gangrun.checkpoint.state.load_template`), once every rank verified its slot."""
     mine: dict[int, int] = {}
     if mem is not None and mem.enabled:
         if keeper.alive(mem.root):
@@ -319,9 +349,9 @@ def choose(
     floor = -1 if storage_step is None else storage_step
     for step in sorted((s for s in common if s >= floor), reverse=True):
         assert mem is not None
-        sd, why = mem.load(step, mine[step])
-        whys = gather(why)
-        if sd is not None and all(w is None for w in whys):
+        whys = gather(mem.check(step, mine[step]))
+        if all(w is None for w in whys):  # every rank's slot verified: now load
+            sd = mem.read(step, mine[step], template() if template else None)
             mem.restored(step, mine[step])
             return step, sd
         bad = next(r for r, w in enumerate(whys) if w is not None)
