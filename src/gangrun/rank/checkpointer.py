@@ -19,6 +19,10 @@ of its own (stop requested? time-based save due?), so all ranks save at the same
 run on a second gloo group, in DCP's background thread, so the training thread's own
 collectives never interleave with them.
 
+Memory snapshots: in a call with ``max_restarts``, the same state is also copied at step
+boundaries into shared memory outside the ranks (`gangrun.rank.memory`), and a restore takes
+the newest of memory and storage.
+
 The parts (Lightning's split): this module decides when to save, what goes in, which
 checkpoint to restore and which to keep; `gangrun.rank.checkpoint_io` writes and reads them
 (through `gangrun.checkpoint.volume.write`, the one place a checkpoint is written); the
