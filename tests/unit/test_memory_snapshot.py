@@ -243,3 +243,27 @@ def test_the_options_are_checked():
         Options(processes=1, memory_every=0).validate()
     with pytest.raises(LaunchError, match="memory must be True or False"):
         Options(processes=1, memory="yes").validate()  # type: ignore[arg-type]
+
+
+def test_the_keeper_starts_only_for_a_call_that_can_restore(capsys):
+    from gangrun.lifecycle import memory as caller_side
+    from gangrun.options import Options
+    from gangrun.wire import contract
+
+    ckpt = {contract.CHECKPOINT_DIR: "/somewhere"}
+    on = Options(processes=2, max_restarts=1, memory_every=3).validate()
+    for opts, env, ray in (
+        (Options(processes=2, max_restarts=1, memory=False).validate(), ckpt, False),
+        (Options(processes=2).validate(), ckpt, False),  # no restart: nothing would restore
+        (on, {}, False),  # no checkpoints
+        (on, ckpt, True),  # backend ray
+    ):
+        assert caller_side.start(opts, "x", env, ray) == (None, {})
+    call_id = f"test-{uuid.uuid4().hex[:10]}"
+    k, env = caller_side.start(on, call_id, ckpt, False)
+    try:
+        assert k is not None and env[contract.MEMORY_DIR] == k.path and keeper.alive(k.path)
+        assert env[contract.MEMORY_EVERY] == "3" and int(env[contract.MEMORY_CAP]) > 0
+    finally:
+        caller_side.stop(k)
+    assert _leftovers(call_id) == [] and not k.running()
