@@ -3,7 +3,8 @@
 A DDP MLP on gloo ranks over a `gangrun.data.DistributedSampler` loader, the loop of
 docs/long_runs.md (``step_done`` after each step, the epoch in the state), every step's
 sample indices recorded. Hooks: rank ``kill_rank`` SIGKILLs itself inside step ``kill_at``
-(after the update, before ``step_done``: that step is lost), once, by a marker file; rank 0
+(after the update, before ``step_done``: that step is lost), once, by a marker file (with
+``damage``, it first truncates the data files of every storage checkpoint under it); rank 0
 SIGKILLs the snapshot keeper after step ``kill_keeper_at``; rank 0 raises in step
 ``raise_at``; every rank waits in step ``block_at`` for the file ``gate`` (``gate.reached.R``
 once there).
@@ -29,6 +30,7 @@ def train(
     block_at: int | None = None,
     gate: str | None = None,
     raise_at: int | None = None,
+    damage: str | None = None,
 ) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -74,6 +76,12 @@ def train(
             seen[step] = idx.tolist()
             losses[step] = loss.item()
             if step == kill_at and rank == kill_rank and marker and not os.path.exists(marker):
+                if damage:  # every storage checkpoint's data truncated first
+                    ckpt.wait()
+                    for d, _, files in os.walk(damage):
+                        for name in files:
+                            if name.endswith(".distcp"):
+                                os.truncate(os.path.join(d, name), 1)
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == kill_keeper_at and rank == 0:

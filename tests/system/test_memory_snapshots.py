@@ -88,6 +88,23 @@ def test_a_killed_rank_costs_one_step_from_memory(tmp_path, tmp_path_factory, ca
     _nothing_left(handle)
 
 
+def test_memory_is_restored_when_every_storage_checkpoint_is_damaged(
+    tmp_path, tmp_path_factory, capfd
+):
+    base = baseline(tmp_path_factory)
+    root = str(tmp_path / "ckpt")
+    handle = _train(checkpoint_dir=root, max_restarts=1, memory_every=1).submit(
+        TOTAL, kill_at=120, marker=str(tmp_path / "killed"), damage=root
+    )
+    out = handle.result()
+    assert [o["start"] for o in out] == [120, 120]
+    for rank_out, rank_base in zip(out, base, strict=True):
+        _assert_exact(rank_base, rank_out)
+    err = capfd.readouterr().err
+    assert "resumed step 120 from the memory snapshot (the newest storage checkpoint: none)" in err
+    _nothing_left(handle)
+
+
 def test_the_adaptive_interval_still_restores_exactly(tmp_path, tmp_path_factory, capfd):
     base = baseline(tmp_path_factory)
     kill_at = 110

@@ -186,13 +186,22 @@ class Checkpointer:
             box: list[Any] = [choice, saved]
             dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
             choice, saved = box
-        found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
-        self._restored = True
+        none_valid: Exception | None = None
+        try:
+            found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
+        except Exception as exc:  # every checkpoint damaged: a memory snapshot may be newer
+            if self._mem is None:
+                raise
+            found, none_valid = None, exc
         if self._mem is not None:  # on every rank alike (the same environment)
             tpl = lambda: _state.load_template(e, self._rank)  # noqa: E731  (read into, as DCP)
             chosen = _memory.choose(self._mem, _step_of(found), self._gather, tpl)
             if chosen is not None:
+                self._restored = True
                 return self._from_memory(e, found, *chosen)
+        if none_valid is not None:
+            raise none_valid
+        self._restored = True
         if found is None:
             self.step = 0
             progress.report_fresh_start()  # not progress (docs/restarts.md)
