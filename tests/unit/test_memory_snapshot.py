@@ -267,3 +267,16 @@ def test_the_keeper_starts_only_for_a_call_that_can_restore(capsys):
     finally:
         caller_side.stop(k)
     assert _leftovers(call_id) == [] and not k.running()
+
+
+def test_a_tensor_larger_than_a_chunk_is_read_back_bitwise(kept):
+    big = torch.randn((slot_file.CHUNK * 5 // 4) // 4, generator=torch.Generator().manual_seed(3))
+    sd = {"model": {"big": big, "small": torch.arange(5)}}
+    mem = _snap(kept.path)
+    mem.take(7, lambda: sd)
+    mem.wait()
+    own = {"model": {"big": torch.zeros_like(big)}}  # read into the state's own tensor
+    got = choose(_snap(kept.path), None, lambda v: [v], lambda: own)
+    assert got is not None and got[0] == 7
+    assert own["model"]["big"].equal(big) and got[1]["model"]["small"].equal(torch.arange(5))
+    mem.close()

@@ -280,14 +280,27 @@ class MemorySnapshots:
         try:
             meta = os.pread(fd, h.meta_len, slot_file.HEADER)
             start = slot_file.data_offset(h.meta_len)
+            pieces: list[tuple[memoryview, int]] = []  # (destination, offset in the file)
 
             def fill(dst: Any, off: int) -> None:
                 view = memoryview(dst.numpy())
-                got = os.preadv(fd, [view], start + off)
-                if got != len(view):
-                    raise RuntimeError(f"rank {self.rank}: slot {j} ended while read")
+                for i in range(0, len(view), slot_file.CHUNK):
+                    pieces.append((view[i : i + slot_file.CHUNK], start + off + i))
 
-            return flat_io.unflatten(meta, fill, template)
+            def read_piece(piece: tuple[memoryview, int]) -> None:
+                view, pos = piece
+                while len(view):
+                    got = os.preadv(fd, [view], pos)
+                    if got <= 0:
+                        raise RuntimeError(f"rank {self.rank}: slot {j} ended while read")
+                    view, pos = view[got:], pos + got
+
+            sd = flat_io.unflatten(meta, fill, template)
+            workers = max(1, min(slot_file.THREADS, len(pieces), os.cpu_count() or 1))
+            with ThreadPoolExecutor(workers, thread_name_prefix="gangrun-restore") as pool:
+                list(pool.map(read_piece, pieces))  # preadv releases the GIL
+            pieces.clear()
+            return sd
         finally:
             os.close(fd)
 
