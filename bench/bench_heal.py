@@ -22,7 +22,7 @@ Then gangs of 2 gloo ranks (a DDP MLP, ``BENCH_HEAL_STEPS`` steps, storage check
 snapshots every step, at the default interval, and off (today's restart from storage): the
 seconds from the kill to the first step committed after it (the restarted rank 0's
 ``step_done`` of the interrupted step) and the steps redone; and the loop's steps/s without a
-kill, default interval against ``memory=False``.
+kill over ``BENCH_HEAL_LOOP_STEPS`` steps (2000), default interval against ``memory=False``.
 
 Ratios: snapshot_blocked / prealloc_shm_copy, restore_memory / restore_storage,
 steps/s default / off.
@@ -161,6 +161,19 @@ def train(total: int, kill_at: int | None, marker: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = gangrun.Checkpointer({"model": model, "optim": opt}, every=100, keep=2)
     x = torch.randn(32, 65)
+    ckpt.restore()
+    spent = [0.0, 0]  # seconds in snapshots, snapshots (the manager's own, looked into)
+    mem = ckpt._mem
+    if mem is not None:
+        take = mem.take
+
+        def timed_take(*a: object) -> None:
+            t = time.perf_counter()
+            take(*a)  # type: ignore[arg-type]
+            spent[0] += time.perf_counter() - t
+            spent[1] += 1
+
+        mem.take = timed_take  # type: ignore[method-assign]
     done: dict[int, float] = {}
     t0, prev = None, None
     for step in ckpt.steps(total):
@@ -180,20 +193,26 @@ def train(total: int, kill_at: int | None, marker: str) -> dict:
     if prev is not None:
         done[prev] = time.time()
     loop_s = time.perf_counter() - (t0 or time.perf_counter())
-    return {"first": min(done, default=None), "done": done, "loop_s": loop_s}
+    return {
+        "first": min(done, default=None),
+        "done": done,
+        "loop_s": loop_s,
+        "snapshot_s": spent[0],
+        "snapshots": spent[1],
+    }
 
 
-def gangs(reps: int, steps: int, kill: int) -> tuple[dict[str, list[float]], dict]:
+def gangs(reps: int, steps: int, kill: int, loop_steps: int) -> tuple[dict[str, list[float]], dict]:
     import gangrun
 
-    def call(nokill: bool = False, **opts):
+    def call(nokill: bool = False, total: int = steps, **opts):
         where = tempfile.mkdtemp(prefix="bench-heal-ckpt-")
         marker = os.path.join(where, "killed")
         fn = gangrun.distributed(
             processes=2, mlflow=False, output="none", checkpoint_dir=where, max_restarts=1, **opts
         )(train)
         try:
-            out = fn.distributed(steps, None if nokill else kill, marker)
+            out = fn.distributed(total, None if nokill else kill, marker)
             killed = None
             if os.path.exists(marker):
                 with open(marker) as f:
@@ -203,6 +222,8 @@ def gangs(reps: int, steps: int, kill: int) -> tuple[dict[str, list[float]], dic
         return out, killed
 
     redone: dict[str, list[int]] = {}
+    shares: list[float] = []
+    counts: list[int] = []
 
     def killed(name: str, **opts):
         def run() -> float:
@@ -217,8 +238,11 @@ def gangs(reps: int, steps: int, kill: int) -> tuple[dict[str, list[float]], dic
 
     def loop(**opts):
         def run() -> float:
-            out, _ = call(nokill=True, **opts)
-            return steps / max(o["loop_s"] for o in out)
+            out, _ = call(nokill=True, total=loop_steps, **opts)
+            if "memory" not in opts:  # the share of the loop spent in snapshots, per rank
+                shares.append(max(o["snapshot_s"] / o["loop_s"] for o in out))
+                counts.append(max(o["snapshots"] for o in out))
+            return loop_steps / max(o["loop_s"] for o in out)
 
         return run
 
@@ -232,17 +256,21 @@ def gangs(reps: int, steps: int, kill: int) -> tuple[dict[str, list[float]], dic
             "steps_per_s_memory_off": loop(memory=False),
         },
     )
-    return times, {k: median([float(x) for x in v]) for k, v in redone.items()}
+    extra = {k: median([float(x) for x in v]) for k, v in redone.items()}
+    extra["snapshot_share_of_loop"] = median(shares)
+    extra["snapshots_in_loop"] = median([float(c) for c in counts])
+    return times, extra
 
 
 def run(reps: int) -> dict:
     gib = float(os.environ.get("BENCH_HEAL_GIB", "1"))
     steps = int(os.environ.get("BENCH_HEAL_STEPS", "300"))
     kill = int(os.environ.get("BENCH_HEAL_KILL", "250"))
+    loop_steps = int(os.environ.get("BENCH_HEAL_LOOP_STEPS", "2000"))
     times = single(reps, gib)
     redone: dict = {}
     if os.environ.get("BENCH_HEAL_GANGS", "1") != "0":  # 0: the single-process part alone
-        more, redone = gangs(reps, steps, kill)
+        more, redone = gangs(reps, steps, kill, loop_steps)
         times.update(more)
     res = report(
         "heal",
@@ -267,7 +295,7 @@ def run(reps: int) -> dict:
     )
     res["state_gib"] = gib
     res["steps_redone_median"] = redone
-    res["steps"], res["kill_at"] = steps, kill
+    res["steps"], res["kill_at"], res["loop_steps"] = steps, kill, loop_steps
     return res
 
 

@@ -33,7 +33,9 @@ from ..host import keeper
 from ..wire import contract
 from ..wire import snapshot as slot_file
 
-BUDGET = 0.03  # the adaptive interval keeps the copy within 3% of the step time
+# the adaptive interval keeps the snapshots within 3% of the step time: the copy measured is
+# held to 2.5%, the rest is room for what is not measured (the first snapshots, the agreement)
+BUDGET = 0.025
 _EMA = 0.2
 _WARMUP = 2  # snapshots not timed: the first allocate the two slots
 INLINE_BYTES = 1 << 20  # a smaller snapshot's checksums are computed in the training thread
