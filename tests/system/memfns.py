@@ -2,12 +2,13 @@
 
 A DDP MLP on gloo ranks over a `gangrun.data.DistributedSampler` loader, the loop of
 docs/long_runs.md (``step_done`` after each step, the epoch in the state), every step's
-sample indices recorded. Hooks: rank ``kill_rank`` SIGKILLs itself inside step ``kill_at``
+sample indices recorded. Hooks: rank ``kill_rank`` SIGKILLs itself inside step ``kill_at`` (``-1``: every rank, each by its own marker)
 (after the update, before ``step_done``: that step is lost), once, by a marker file (with
 ``damage``, it first truncates the data files of every storage checkpoint under it); rank 0
 SIGKILLs the snapshot keeper after step ``kill_keeper_at``; rank 0 raises in step
 ``raise_at``; every rank waits in step ``block_at`` for the file ``gate`` (``gate.reached.R``
-once there).
+once there); with ``die_after_restore`` (a marker file) rank 0 SIGKILLs itself once right
+after a restore that resumed a step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def train(
     gate: str | None = None,
     raise_at: int | None = None,
     damage: str | None = None,
+    die_after_restore: str | None = None,
 ) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -63,6 +65,9 @@ def train(
     state = {"model": model, "optim": opt, "sched": sched, "loader": loader, "epoch": 0}
     ckpt = gangrun.Checkpointer(state, every=every, keep=2)
     step = start = ckpt.restore()
+    if die_after_restore and start and rank == 0 and not os.path.exists(die_after_restore):
+        open(die_after_restore, "w").close()  # a second death: during the restart's restore
+        os.kill(os.getpid(), signal.SIGKILL)
     seen: dict[int, list[int]] = {}
     losses: dict[int, float] = {}
     while step < total:
@@ -75,14 +80,15 @@ def train(
             sched.step()
             seen[step] = idx.tolist()
             losses[step] = loss.item()
-            if step == kill_at and rank == kill_rank and marker and not os.path.exists(marker):
+            mine = f"{marker}.{rank}" if kill_rank < 0 and marker else marker
+            if step == kill_at and kill_rank in (rank, -1) and mine and not os.path.exists(mine):
                 if damage:  # every storage checkpoint's data truncated first
                     ckpt.wait()
                     for d, _, files in os.walk(damage):
                         for name in files:
                             if name.endswith(".distcp"):
                                 os.truncate(os.path.join(d, name), 1)
-                open(marker, "w").close()
+                open(mine, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == kill_keeper_at and rank == 0:
                 root = os.environ[contract.MEMORY_DIR]

@@ -88,6 +88,32 @@ def test_a_killed_rank_costs_one_step_from_memory(tmp_path, tmp_path_factory, ca
     _nothing_left(handle)
 
 
+def test_every_rank_killed_at_once_costs_one_step(tmp_path, tmp_path_factory):
+    base = baseline(tmp_path_factory)
+    handle = _train(checkpoint_dir=str(tmp_path / "ckpt"), max_restarts=1, memory_every=1).submit(
+        TOTAL, kill_at=115, kill_rank=-1, marker=str(tmp_path / "killed")
+    )
+    out = handle.result()
+    assert [o["start"] for o in out] == [115, 115]
+    for rank_out, rank_base in zip(out, base, strict=True):
+        _assert_exact(rank_base, rank_out)
+    _nothing_left(handle)
+
+
+def test_a_second_death_right_after_the_restore(tmp_path, tmp_path_factory):
+    base = baseline(tmp_path_factory)
+    second = str(tmp_path / "second")
+    handle = _train(checkpoint_dir=str(tmp_path / "ckpt"), max_restarts=2, memory_every=1).submit(
+        TOTAL, kill_at=115, marker=str(tmp_path / "killed"), die_after_restore=second
+    )
+    out = handle.result()
+    assert os.path.exists(second)
+    assert [o["start"] for o in out] == [115, 115]  # the slot restored twice, still exact
+    for rank_out, rank_base in zip(out, base, strict=True):
+        _assert_exact(rank_base, rank_out)
+    _nothing_left(handle)
+
+
 def test_memory_is_restored_when_every_storage_checkpoint_is_damaged(
     tmp_path, tmp_path_factory, capfd
 ):
