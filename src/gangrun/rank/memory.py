@@ -114,10 +114,8 @@ class MemorySnapshots:
             return False
         if self.every is not None:
             return step % self.every == 0
-        if self._copy_s is None or self._step_s is None or self._last < 0:
-            return True
-        interval = max(1, math.ceil(self._copy_s / (BUDGET * max(self._step_s, 1e-9))))
-        return step - self._last >= interval
+        interval = self.interval
+        return interval is None or self._last < 0 or step - self._last >= interval
 
     @property
     def interval(self) -> int | None:
