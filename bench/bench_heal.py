@@ -12,8 +12,8 @@ repetition, in alternating order:
 * ``snapshot_complete``: until the slot is complete (its checksums and header written);
 * ``prealloc_shm_copy``: the floor: ``Tensor.copy_`` of the same parameters into shared
   memory allocated and touched beforehand;
-* ``restore_memory``: the slot verified (CRC-32s), read back into fresh tensors and loaded
-  into the model, as a restart does;
+* ``restore_memory``: the slot verified (CRC-32s), read back into the model's own tensors
+  and loaded, as a restart's ``Checkpointer.restore`` does;
 * ``restore_storage``: the same state restored from a storage checkpoint on local disk
   (`gangrun.checkpoint.save` beforehand; the restore as ``Checkpointer.restore`` reads it).
 
@@ -107,7 +107,7 @@ def single(reps: int, gib: float) -> dict[str, list[float]]:
     def from_memory() -> float:
         fresh = MemorySnapshots(k.path, 0, 1, 1, 1 << 40)
         t = time.perf_counter()
-        got = choose(fresh, None, lambda v: [v])
+        got = choose(fresh, None, lambda v: [v], lambda: _state.load_template(e, 0))
         assert got is not None
         _state.apply(e, _state.encoded_blob(got[1], 0), 0, state)
         took = time.perf_counter() - t

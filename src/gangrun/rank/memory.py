@@ -12,7 +12,7 @@ run goes. Past the memory cap (all ranks' two slots together), or for a state it
 checkpoints only.
 
 After a restart within the call, `choose` gives the Checkpointer the newest step every rank
-holds a complete slot of (not older than the newest storage checkpoint), loaded and
+holds a complete slot of (newer than the newest storage checkpoint), loaded and
 verified on every rank; anything else (a slot torn or damaged on one rank, the keeper gone)
 falls back to storage with one line saying why.
 """
@@ -359,8 +359,10 @@ def choose(
             mem.disable(f"the snapshot keeper of {mem.root} is gone", everyone=True)
     everyone = gather(sorted(mine))
     common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
+    # newer than storage only: at the same step storage holds the same state, and a restore
+    # from it names the checkpoint (``restored_from``)
     floor = -1 if storage_step is None else storage_step
-    for step in sorted((s for s in common if s >= floor), reverse=True):
+    for step in sorted((s for s in common if s > floor), reverse=True):
         assert mem is not None
         whys = gather(mem.check(step, mine[step]))
         if all(w is None for w in whys):  # every rank's slot verified: now load
