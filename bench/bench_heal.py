@@ -4,7 +4,7 @@
 
 In one process, a ``torch.nn.Module`` of ``BENCH_HEAL_GIB`` GiB of float32 parameters (the
 state of one rank), snapshotted the way a `gangrun.Checkpointer` does at a step boundary
-(`gangrun.rank.memory.MemorySnapshots`, in a keeper's ``/dev/shm`` directory). Per
+(`gangrun.rank.snapshots.MemorySnapshots`, in a keeper's ``/dev/shm`` directory). Per
 repetition, in alternating order:
 
 * ``snapshot_blocked``: the time the step is blocked (the state dict, its table of contents,
@@ -57,7 +57,7 @@ def single(reps: int, gib: float) -> dict[str, list[float]]:
     from gangrun.checkpoint import state as _state
     from gangrun.host import keeper
     from gangrun.rank.checkpoint_io import CheckpointIO
-    from gangrun.rank.memory import MemorySnapshots, choose
+    from gangrun.rank.snapshots import MemorySnapshots, choose
 
     model = _model(gib)
     state = {"model": model}

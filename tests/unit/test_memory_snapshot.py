@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 
-from gangrun.checkpoint import memory as flat_io
+from gangrun.checkpoint import snapshots as flat_io
 from gangrun.host import keeper
-from gangrun.rank.memory import MemorySnapshots, choose
+from gangrun.rank.snapshots import MemorySnapshots, choose
 from gangrun.wire import snapshot as slot_file
 
 torch = pytest.importorskip("torch")
@@ -246,7 +246,7 @@ def test_the_options_are_checked():
 
 
 def test_the_keeper_starts_only_for_a_call_that_can_restore(capsys):
-    from gangrun.lifecycle import memory as caller_side
+    from gangrun.lifecycle import snapshots as caller_side
     from gangrun.options import Options
     from gangrun.wire import contract
 

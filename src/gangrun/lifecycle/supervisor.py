@@ -27,7 +27,7 @@ from ..wire import serialization
 from ..wire.records import RankContext
 from ..wire.rundir import RunDir, create
 from . import calls, monitor
-from . import memory as snapshots
+from . import snapshots as snapshots
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, release_location, request_stop
 from .collect import RankFiles

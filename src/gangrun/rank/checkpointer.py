@@ -20,7 +20,7 @@ run on a second gloo group, in DCP's background thread, so the training thread's
 collectives never interleave with them.
 
 Memory snapshots: in a call with ``max_restarts``, the same state is also copied at step
-boundaries into shared memory outside the ranks (`gangrun.rank.memory`), and a restore takes
+boundaries into shared memory outside the ranks (`gangrun.rank.snapshots`), and a restore takes
 the newest of memory and storage.
 
 The parts (Lightning's split): this module decides when to save, what goes in, which
@@ -48,7 +48,7 @@ from ..wire.rundir import RunDir
 from ..wire.stop import Stopped, write_stopped
 from ..wire.tags import TAG_LATEST
 from . import location, progress
-from . import memory as _memory
+from . import snapshots as _memory
 from . import stop as _stop
 from .checkpoint_io import CheckpointIO
 from .step_metrics import StepMetrics, tag_latest
@@ -327,7 +327,7 @@ class Checkpointer:
     def _snapshot_dict(self) -> dict[str, Any]:
         e = self._classify(fresh=True)
         if e.engines:
-            from ..checkpoint.memory import Unsupported
+            from ..checkpoint.snapshots import Unsupported
 
             raise Unsupported("a DeepSpeed engine, saved through its own checkpoint API")
         return self._save_dict(e, self.step, encode=dict)  # the blob flattened, not torch.save'd

@@ -19,7 +19,7 @@ Set by the caller for each rank (read by the rank side, `gangrun.rank.worker`):
                                 option in the caller (`gangrun.defaults`)
 ``GANGRUN_CALL_MEMORY_DIR``     the call's memory snapshot directory in ``/dev/shm``
                                 (its keeper's: `gangrun.host.keeper`); unset: no memory
-                                snapshots (`gangrun.rank.memory`)
+                                snapshots (`gangrun.rank.snapshots`)
 ``GANGRUN_CALL_MEMORY_EVERY``   the ``memory_every`` option (``0``: the adaptive interval)
 ``GANGRUN_CALL_MEMORY_CAP``     bytes every rank's two snapshot slots may take together
 ``GANGRUN_RAY_NODE_ID``         Ray backend: the node the rank's actor was placed on

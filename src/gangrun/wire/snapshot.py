@@ -16,7 +16,7 @@ size, is *not complete*; one whose meta or data do not match their checksums is 
 its 32 MiB chunks (`data_crc`: computed, and verified, on several threads).
 
 What the meta and the data hold (the flattened state dict of one save: the same dict a
-storage checkpoint writes) is `gangrun.checkpoint.memory`'s.
+storage checkpoint writes) is `gangrun.checkpoint.snapshots`'s.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..host.keeper import Keeper
     from ..options import Options
 
-log = logging.getLogger("gangrun.lifecycle.memory")
+log = logging.getLogger("gangrun.lifecycle.snapshots")
 
 CAP_FRACTION = 0.25
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..checkpoint import memory as flat_io
+from ..checkpoint import snapshots as flat_io
 from ..host import keeper
 from ..wire import contract
 from ..wire import snapshot as slot_file
@@ -173,7 +173,7 @@ class MemorySnapshots:
             self._finish(slot, j, header)
         else:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="gangrun-memory")
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="gangrun-snapshot")
             self._commit = self._pool.submit(self._finish, slot, j, header)
         self._last = step
         self._takes += 1
@@ -272,7 +272,7 @@ class MemorySnapshots:
 
     def read(self, step: int, j: int, template: Any = None) -> dict[str, Any]:
         """The save dict of slot ``j`` (`check`ed first, by every rank), read into the
-        tensors of ``template`` where they fit (`gangrun.checkpoint.memory.unflatten`)."""
+        tensors of ``template`` where they fit (`gangrun.checkpoint.snapshots.unflatten`)."""
         opened = self._open_slot(step, j)
         if isinstance(opened, str):
             raise RuntimeError(f"rank {self.rank}: {opened}, after it was verified")
