@@ -73,6 +73,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "system/test_gang_notebook.py": ("kernel",),
     "system/test_loader_resume_order.py": (),
     "system/test_long_runs.py": (),
+    "system/test_memory_snapshots.py": (),
     "system/test_notebook.py": ("kernel",),
     "system/test_notebook_browser.py": ("kernel", "browser"),
     "system/test_notebook_experience.py": ("kernel",),

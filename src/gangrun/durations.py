@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
+from typing import Any
 
 _N = r"\d+(?:\.\d*)?"
 _DURATION = re.compile(rf"^(?:(?P<h>{_N})h)?(?:(?P<m>{_N})m)?(?:(?P<s>{_N})s)?(?P<bare>{_N})?$")
@@ -44,4 +46,14 @@ def parse_seconds(text: str) -> float:
     return value
 
 
-__all__ = ["FORMS", "parse_duration", "parse_seconds"]
+def finite_seconds(v: Any, above: float | None = None, least: float | None = None) -> bool:
+    """Whether ``v`` is a finite real number of seconds ``> above`` / ``>= least`` (never a
+    bool, NaN or an infinity: a NaN compares false to every bound and would pass as no
+    limit)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        return False
+    x = float(v)
+    return (above is None or x > above) and (least is None or x >= least)
+
+
+__all__ = ["FORMS", "finite_seconds", "parse_duration", "parse_seconds"]

@@ -46,6 +46,8 @@ class OptionKwargs(TypedDict, total=False):
     restart_backoff: float | str
     restart_backoff_max: float | str
     checkpoint_dir: str | None
+    memory: bool
+    memory_every: int | None
 
 
 __all__ = ["OptionKwargs"]

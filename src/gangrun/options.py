@@ -5,12 +5,12 @@ Its own module, below `gangrun.api` and `gangrun.defaults` (which both read it).
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .durations import finite_seconds as _seconds
 from .durations import parse_duration
 from .errors import LaunchError
 from .wire import contract
@@ -86,16 +86,6 @@ def _seconds_or_none(group: Any, owner: str, name: str) -> None:
         raise LaunchError(
             f"{owner}.{name} must be a positive number of seconds (finite), got {v!r}."
         )
-
-
-def _seconds(v: Any, above: float | None = None, least: float | None = None) -> bool:
-    """Whether ``v`` is a finite real number of seconds ``> above`` / ``>= least`` (never a
-    bool, NaN or an infinity: a NaN compares false to every bound and would pass as no
-    limit)."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        return False
-    x = float(v)
-    return (above is None or x > above) and (least is None or x >= least)
 
 
 # The options that are durations: name -> (None allowed, 0 means None). Each may be given as
@@ -319,6 +309,11 @@ class Options:
         checkpoint_dir: where the call's checkpoints live (a directory or any fsspec URL),
             for `gangrun.Checkpointer` in the function; a ``run_id=`` call reuses the
             one its run recorded (docs/long_runs.md).
+        memory: with ``checkpoint_dir`` and ``max_restarts``, also snapshot the
+            Checkpointer's state into shared memory at step boundaries; a restart restores
+            the newest of memory and storage (default on; docs/long_runs.md).
+        memory_every: snapshot every N steps (default ``None``: as often as 3% of the step
+            time allows, measured as the run goes).
     """
 
     gpus: int | list[int] | None = None
@@ -356,6 +351,8 @@ class Options:
     restart_backoff_max: float = 60.0
     # Long runs (docs/long_runs.md): where gangrun.Checkpointer saves and restores.
     checkpoint_dir: str | None = None
+    memory: bool = True
+    memory_every: int | None = None
 
     def validate(self) -> Options:
         for name in DURATIONS:  # timeout="10m": the same text as GANGRUN_TIMEOUT, --timeout
@@ -383,6 +380,9 @@ class Options:
         _int("processes", self.processes, 1)
         _int("max_restarts", self.max_restarts, 0)
         _int("min_ranks", self.min_ranks, 1)
+        _int("memory_every", self.memory_every, 1)
+        if not isinstance(self.memory, bool):
+            raise LaunchError(f"memory must be True or False, got {self.memory!r}.")
         for name in ("timeout", "hang_timeout"):  # ZERO_IS_NONE: 0 is no limit, as the text "0"
             v = getattr(self, name)
             if v is None or (name in AUTO and v == "auto"):

@@ -89,6 +89,8 @@ FLAG_CASES = [
     (["--gpu-wait", "10m"], "gpu_wait", 600.0),
     (["--gpu-wait", "none"], "gpu_wait", None),
     (["--checkpoint-dir", "s3://b/run"], "checkpoint_dir", "s3://b/run"),
+    (["--no-memory"], "memory", False),
+    (["--memory-every", "5"], "memory_every", 5),
     (["--experiment-name", "exp"], "experiment_name", "exp"),
     (["--run-name", "nightly"], "run_name", "nightly"),
     (["--run-id", "0123abc"], "run_id", "0123abc"),

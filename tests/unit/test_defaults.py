@@ -40,6 +40,8 @@ ENV_CASES = {
     "hang_timeout": ("90s", 90.0),
     "gpu_wait": ("none", None),
     "checkpoint_dir": ("s3://bucket/run", "s3://bucket/run"),
+    "memory": ("off", False),
+    "memory_every": ("10", 10),
     # tracking options (added by the tracking work): plain strings and a JSON dict
     "experiment_name": ("exp", "exp"),
     "run_name": ("nightly", "nightly"),

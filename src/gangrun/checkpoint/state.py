@@ -179,8 +179,10 @@ def from_bytes(raw: bytes) -> Any:
     return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
 
 
-def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``torch.distributed.checkpoint`` state dict of one save on this rank."""
+def save_dict(e: Entries, rank: int, extra: dict[str, Any], encode: Any = None) -> dict[str, Any]:
+    """The ``torch.distributed.checkpoint`` state dict of one save on this rank (``encode``:
+    how the per-rank blob is stored, `to_bytes` by default; a memory snapshot keeps it a dict,
+    `encoded_blob` turns it into those bytes when it is restored)."""
     sd: dict[str, Any] = {}
     for key, model in e.models.items():
         sd[key] = _model_sd(model)
@@ -193,7 +195,15 @@ def save_dict(e: Entries, rank: int, extra: dict[str, Any]) -> dict[str, Any]:
         "world_size": world_size(),
         **extra,
     }
-    sd[BLOB.format(rank=rank)] = to_bytes(blob)
+    sd[BLOB.format(rank=rank)] = (encode or to_bytes)(blob)
+    return sd
+
+
+def encoded_blob(sd: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``sd`` with this rank's blob stored as `save_dict` stores it by default (bytes)."""
+    key = BLOB.format(rank=rank)
+    if isinstance(sd.get(key), dict):
+        sd[key] = to_bytes(sd[key])
     return sd
 
 
@@ -349,6 +359,7 @@ __all__ = [
     "apply",
     "blob_key",
     "classify",
+    "encoded_blob",
     "load_template",
     "reshard_check",
     "resume_note",

@@ -69,6 +69,8 @@ _ROWS: dict[str, tuple[tuple[str, ...], Any, str]] = {
     "run_id": (("--run-id",), "ID", "resume this MLflow run (same id, metric history continued)"),
     "tags": (("--tag",), "KEY=VALUE", "extra tag on the MLflow run (repeatable)"),
     "checkpoint_dir": (("--checkpoint-dir",), "URL", "where gangrun.Checkpointer keeps the run's checkpoints (directory or fsspec URL)"),
+    "memory": (("--memory",), _ON_OFF, "with --checkpoint-dir and --max-restarts: also snapshot the state into shared memory, restored after a restart (default: on)"),
+    "memory_every": (("--memory-every",), "N", "snapshot into memory every N steps (default: as often as 3%% of the step time allows)"),
     "gpu_wait": (("--gpu-wait",), "DURATION", "wait this long for GPUs busy with another call of yours (default 0: fail at once; none: no limit)"),
 }
 # fmt: on

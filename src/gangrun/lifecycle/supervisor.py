@@ -27,6 +27,7 @@ from ..wire import serialization
 from ..wire.records import RankContext
 from ..wire.rundir import RunDir, create
 from . import calls, monitor
+from . import snapshots as snapshots
 from .attempts import Restarts, annotate
 from .checkpoints import prepare, release_location, request_stop
 from .collect import RankFiles
@@ -58,6 +59,7 @@ from .watch import watching
 
 if TYPE_CHECKING:
     from ..host.accelerators import Accelerator
+    from ..host.keeper import Keeper
     from ..host.reservation import Reservation
     from ..output import OutputPump
     from ..tracking.caller import Tracker
@@ -124,6 +126,7 @@ class Supervisor:
         self._cancel_reason: str | None = None
         self._preempt = threading.Event()  # a preemption was asked for (cancel(checkpoint=True))
         self.ckpt_env: dict[str, str] = {}  # checkpoints: the ranks' env (lifecycle/checkpoints)
+        self._keeper: Keeper | None = None  # memory snapshots' keeper (lifecycle/memory)
         self._lock = threading.Lock()
         self._done = DoneEvent()  # hooks: the handle's future state, its callbacks
         self._released = False
@@ -292,6 +295,11 @@ class Supervisor:
             gpu = self._devices[0].name if self._devices else None
             self._tracker = self._track(tracking_info(call, gpu), call.stdout)
         self.ckpt_env = prepare(self)  # a checkpoint_dir that cannot be used: a LaunchError
+        on_ray = call.placement is not None
+        self._keeper, mem_env = snapshots.start(
+            opts, call.run_id, self.ckpt_env, on_ray, call.stderr
+        )
+        self.ckpt_env.update(mem_env)
 
     def _launch_attempt(self) -> None:
         assert self.rundir is not None and self._context is not None
@@ -427,6 +435,7 @@ class Supervisor:
         launch_failed = isinstance(how, LaunchFailed)
         steps: list[tuple[str, Callable[[], None]]] = [
             ("stop the gang", lambda: self._close_gang(stop=True, grace=0.0)),
+            ("free the memory snapshots", lambda: snapshots.stop(self._keeper)),
             ("release the checkpoint location", lambda: release_location(self.run_id)),
             ("release the GPUs", self._release_gpus),
             ("settle the outcome", lambda: self._settle(state, error)),

@@ -19,6 +19,10 @@ of its own (stop requested? time-based save due?), so all ranks save at the same
 run on a second gloo group, in DCP's background thread, so the training thread's own
 collectives never interleave with them.
 
+Memory snapshots: in a call with ``max_restarts``, the same state is also copied at step
+boundaries into shared memory outside the ranks (`gangrun.rank.snapshots`), and a restore takes
+the newest of memory and storage.
+
 The parts (Lightning's split): this module decides when to save, what goes in, which
 checkpoint to restore and which to keep; `gangrun.rank.checkpoint_io` writes and reads them
 (through `gangrun.checkpoint.volume.write`, the one place a checkpoint is written); the
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -43,6 +48,7 @@ from ..wire.rundir import RunDir
 from ..wire.stop import Stopped, write_stopped
 from ..wire.tags import TAG_LATEST
 from . import location, progress
+from . import snapshots as _memory
 from . import stop as _stop
 from .checkpoint_io import CheckpointIO
 from .step_metrics import StepMetrics, tag_latest
@@ -109,6 +115,7 @@ class Checkpointer:
         self._groups: tuple[Any, Any] | None = None
         self._rank, self._world = 0, 1
         self._restored = False
+        self._mem: _memory.MemorySnapshots | None = None  # the call's memory snapshots
         _stop.install()
         location.claim(self.dir, self)  # a second live manager on this location: an error
 
@@ -129,8 +136,10 @@ class Checkpointer:
                     f"each its own location: Checkpointer(..., dir=f'{{root}}/rank-{rank}')."
                 )
             self._groups = (None, None)
+            self._mem = _memory.MemorySnapshots.from_env(rank, world)
             return
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._mem = _memory.MemorySnapshots.from_env(self._rank, self._world)
         # one group for the per-step flag (training thread), one for saves (DCP's thread)
         self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
 
@@ -177,7 +186,21 @@ class Checkpointer:
             box: list[Any] = [choice, saved]
             dist.broadcast_object_list(box, src=0, group=self._groups[0])  # type: ignore[index]
             choice, saved = box
-        found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
+        none_valid: Exception | None = None
+        try:
+            found = _integrity.chosen(choice)  # raises rank 0's error (none valid) on every rank
+        except Exception as exc:  # every checkpoint damaged: a memory snapshot may be newer
+            if self._mem is None:
+                raise
+            found, none_valid = None, exc
+        if self._mem is not None:  # on every rank alike (the same environment)
+            tpl = lambda: _state.load_template(e, self._rank)  # noqa: E731  (read into, as DCP)
+            chosen = _memory.choose(self._mem, _step_of(found), self._gather, tpl)
+            if chosen is not None:
+                self._restored = True
+                return self._from_memory(e, found, *chosen)
+        if none_valid is not None:
+            raise none_valid
         self._restored = True
         if found is None:
             self.step = 0
@@ -193,6 +216,32 @@ class Checkpointer:
         self._step_metrics.replay(blob.get("metrics", []))
         self._last_save = time.monotonic()
         progress.report_resumed(self.step, saved if saved and saved != self._world else None)
+        return self.step
+
+    def _gather(self, value: Any) -> list[Any]:
+        dist = _dist()
+        if dist is None or self._world == 1:
+            return [value]
+        out: list[Any] = [None] * self._world
+        dist.all_gather_object(out, value, group=self._groups[0])  # type: ignore[index]
+        return out
+
+    def _from_memory(self, e: _state.Entries, found: str | None, step: int, sd: Any) -> int:
+        blob = _state.apply(e, _state.encoded_blob(sd, self._rank), self._rank, self.state)
+        self.step = int(blob["step"])
+        # the storage checkpoint of this step, when there is one, needs no saving again
+        self._saved_step = self.step if _step_of(found) == self.step else -1
+        self.last, self.restored_from = found, f"memory:{PREFIX}{step:09d}"
+        if self._rank == 0:
+            newest = "none" if found is None else f"step {_step_of(found)}"
+            print(
+                f"gangrun: resumed step {self.step} from the memory snapshot (the newest "
+                f"storage checkpoint: {newest}).",
+                file=sys.stderr,
+            )
+        self._step_metrics.replay(blob.get("metrics", []))
+        self._last_save = time.monotonic()
+        progress.report_resumed(self.step, None)
         return self.step
 
     # ------------------------------------------------------------------ stepping
@@ -221,19 +270,28 @@ class Checkpointer:
         save and stop the rank (``SystemExit(0)``; the call raises
         `gangrun.DistributedPreemptedError`). Returns whether it saved."""
         self._setup()
+        mem = self._mem
+        if mem is not None:
+            mem.step_began()
         self.step = int(step) + 1
         progress.report_step(self.step, total)
         self._poll()
         due_time = self.every_seconds is not None and (
             time.monotonic() - self._last_save >= self.every_seconds
         )
-        stop, due_time_all = self._agree(int(_stop.should_stop()), int(due_time))
+        snap = int(mem is not None and mem.due(self.step))
+        stop, due_time_all, snap = self._agree(int(_stop.should_stop()), int(due_time), snap)
         if stop:
             self._preempted()
+        if snap and mem is not None and mem.enabled:
+            mem.take(self.step, self._snapshot_dict)
+        saved = False
         if (self.every is not None and self.step % self.every == 0) or due_time_all:
             self.save()
-            return True
-        return False
+            saved = True
+        if mem is not None:
+            mem.step_ended()
+        return saved
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log ``metrics`` for ``step`` to the call's MLflow run once the checkpoint that
@@ -252,9 +310,7 @@ class Checkpointer:
         e = self._classify(fresh=True)
         self.wait()
         step, url = self.step, self._url(self.step)
-        sd = _state.save_dict(
-            e, self._rank, {"step": step, "metrics": self._step_metrics.before(step)}
-        )
+        sd = self._save_dict(e, step)
         group = self._groups[1] if self._groups else None
         if self._io.write(e, sd, url, step, group):
             self._committed(step, url)
@@ -263,6 +319,18 @@ class Checkpointer:
         if wait:
             self.wait()
         return url
+
+    def _save_dict(self, e: _state.Entries, step: int, encode: Any = None) -> dict[str, Any]:
+        extra = {"step": step, "metrics": self._step_metrics.before(step)}
+        return _state.save_dict(e, self._rank, extra, encode)
+
+    def _snapshot_dict(self) -> dict[str, Any]:
+        e = self._classify(fresh=True)
+        if e.engines:
+            from ..checkpoint.snapshots import Unsupported
+
+            raise Unsupported("a DeepSpeed engine, saved through its own checkpoint API")
+        return self._save_dict(e, self.step, encode=dict)  # the blob flattened, not torch.save'd
 
     def _poll(self) -> None:
         if self._io.done():
@@ -306,6 +374,8 @@ class Checkpointer:
         self.wait()
         self._step_metrics.flush(None)
         self._io.close()
+        if self._mem is not None:
+            self._mem.close()
         location.release(self.dir, self)
 
     def __enter__(self) -> Checkpointer:
@@ -314,6 +384,12 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
+
+
+def _step_of(url: str | None) -> int | None:
+    """The step of checkpoint ``url`` (its name's number), None for none."""
+    m = re.search(r"(\d+)/*$", url or "")
+    return int(m.group(1)) if m else None
 
 
 def env_rank_world() -> tuple[int, int]:

@@ -18,6 +18,11 @@ Set by the caller for each rank (read by the rank side, `gangrun.rank.worker`):
                                 recorded): `gangrun.Checkpointer` saves and restores
                                 there. Not ``GANGRUN_CHECKPOINT_DIR``: that one defaults the
                                 option in the caller (`gangrun.defaults`)
+``GANGRUN_CALL_MEMORY_DIR``     the call's memory snapshot directory in ``/dev/shm``
+                                (its keeper's: `gangrun.host.keeper`); unset: no memory
+                                snapshots (`gangrun.rank.snapshots`)
+``GANGRUN_CALL_MEMORY_EVERY``   the ``memory_every`` option (``0``: the adaptive interval)
+``GANGRUN_CALL_MEMORY_CAP``     bytes every rank's two snapshot slots may take together
 ``GANGRUN_RAY_NODE_ID``         Ray backend: the node the rank's actor was placed on
 ``GANGRUN_RAY_NODE_IP``         Ray backend: that node's IP address
 ==============================  ==========================================================
@@ -83,6 +88,9 @@ CALLER_PID = "GANGRUN_CALLER_PID"
 LIVENESS_FD = "GANGRUN_LIVENESS_FD"
 HANG_TIMEOUT = "GANGRUN_HANG_TIMEOUT"
 CHECKPOINT_DIR = "GANGRUN_CALL_CHECKPOINT_DIR"
+MEMORY_DIR = "GANGRUN_CALL_MEMORY_DIR"
+MEMORY_EVERY = "GANGRUN_CALL_MEMORY_EVERY"
+MEMORY_CAP = "GANGRUN_CALL_MEMORY_CAP"
 RAY_NODE_ID = "GANGRUN_RAY_NODE_ID"
 RAY_NODE_IP = "GANGRUN_RAY_NODE_IP"
 
