@@ -41,9 +41,12 @@ def _describe(marker: str) -> dict:
     import torch
 
     fds = {}
+    inheritable = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+            if os.get_inheritable(int(fd)):
+                inheritable.add(int(fd))
         except OSError:
             pass
     return {
@@ -62,6 +65,8 @@ def _describe(marker: str) -> dict:
         "random": random.random(),
         "torch_seed": torch.initial_seed(),
         "fds": fds,
+        "inheritable": inheritable,
+        "run_dir": os.environ["GANGRUN_RUN_DIR"],
         "sigint": repr(signal.getsignal(signal.SIGINT)),
         "sigchld": repr(signal.getsignal(signal.SIGCHLD)),
         "sigterm": repr(signal.getsignal(signal.SIGTERM)),
@@ -92,8 +97,15 @@ def test_forked_ranks_get_the_callers_current_env_cwd_and_path(tmp_path, monkeyp
         assert o["cuda_initialized"] is False
         # /proc/PID/environ shows the rank's environment (run sweep, leak checks, ps)
         assert o["proc_env_run_id"] == o["run_id"]
-        # only stdio and gangrun's two liveness pipes; none of the server's sockets
-        assert set(o["fds"]) - {0, 1, 2} and len(o["fds"]) <= 6, o["fds"]
+        # only stdio, gangrun's two liveness pipes and the rank's own records in the run
+        # directory (stacks, memory, collectives; close-on-exec, so a subprocess the
+        # training starts gets none of them); none of the server's sockets
+        pipes = [fd for fd, t in o["fds"].items() if fd > 2 and t.startswith("pipe:")]
+        files = {fd: t for fd, t in o["fds"].items() if fd > 2 and not t.startswith("pipe:")}
+        assert len(pipes) <= 3, o["fds"]  # two liveness pipes (+ the one listdir may show)
+        assert all(t.startswith(o["run_dir"] + "/") for t in files.values()), o["fds"]
+        assert len(files) <= 4, o["fds"]
+        assert not (o["inheritable"] & set(files)), (o["inheritable"], o["fds"])
         assert not [t for t in o["fds"].values() if t.startswith("socket:")], o["fds"]
         assert "default_int_handler" in o["sigint"]
         assert "SIG_DFL" in o["sigchld"] and "SIG_DFL" in o["sigterm"]

@@ -34,6 +34,7 @@ CALL_MODULES = (
     "gangrun.lifecycle.supervisor",
     "gangrun.lifecycle.control",
     "gangrun.lifecycle.narrate",
+    "gangrun.lifecycle.hang",
     "gangrun.launch.gang",
     "gangrun.launch.limits",
     "gangrun.launch.forkserver.spawner",
