@@ -33,8 +33,17 @@ def test_quickstart_panel_renders_in_chromium(tmp_path, monkeypatch):
     assert panels and 'data-final="FINISHED"' in panels[-1]
     dom = browse(html, "--dump-dom", "--virtual-time-budget=3000")
     assert 'class="gangrun-panel"' in dom and 'data-final="FINISHED"' in dom
-    for rank in (0, 1):
-        assert re.search(rf'<tr class="gangrun-rank" data-rank="{rank}" data-state="finished"', dom)
+    # attribute order is the DOM serializer's, not the panel's: read each row's attributes
+    rows = [
+        dict(re.findall(r'([\w-]+)="([^"]*)"', t))
+        for t in re.findall(r'<tr class="gangrun-rank"[^>]*>', dom)
+    ]
+    assert sorted((r["data-rank"], r["data-state"]) for r in rows) == [
+        ("0", "finished"),
+        ("1", "finished"),
+    ], rows
+    # each rank's memory: resident bytes against its limit, shown in the row
+    assert all(0 < int(r["data-rss"]) < int(r["data-limit"]) for r in rows), rows
     assert re.search(r'<svg class="gangrun-chart"[^>]*>.*<polyline', dom, re.S)
     # the chart grid: one chart per metric, each on its own axes; both ranks' "loss" at each
     # step is one mean line with a min-max band; "total_loss" (once per epoch) has markers
